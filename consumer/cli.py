@@ -1,0 +1,248 @@
+"""The `serversync` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from consumer import migrations
+from consumer.settings import ConfigError, ReceiverSettings, SyncSettings, load
+from consumer.store import admin
+from consumer.telemetry import setup_logging
+from consumer.wiring import (
+    CONSUMERS,
+    SINKS,
+    StartupError,
+    connect_or_explain,
+    run_consumer,
+    run_ingest_server,
+)
+
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="serversync",
+        description="Move every change out of a PostgreSQL database to the services that need it.",
+    )
+    parser.add_argument("--log-format", choices=["json", "text"], default="json",
+                        help="log lines on stderr as JSON objects (default) or text")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("migrate", help="apply the SQL migrations (DATABASE_URL)")
+    p.add_argument("--core-only", action="store_true",
+                   help="only serversync's own schema, not the voicebot example tables")
+    p.add_argument("--receiver", action="store_true",
+                   help="migrate the reference receiver's database (FRONTEND_DATABASE_URL) instead")
+
+    p = sub.add_parser("run", help="run a consumer until SIGTERM/SIGINT")
+    p.add_argument("consumer", choices=CONSUMERS)
+    p.add_argument("--sink", choices=SINKS, default="default",
+                   help="'null' accepts every batch without sending it (benchmarks)")
+
+    p = sub.add_parser("ingest-server", help="run the reference receiver (FRONTEND_DATABASE_URL)")
+    p.add_argument("--host", help="address to bind (INGEST_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (INGEST_PORT, default 8080)")
+
+    p = sub.add_parser("demo", help="end-to-end demo on a local or private PostgreSQL")
+    p.add_argument("--calls", type=int, default=5, help="call logs to create (default 5)")
+
+    p = sub.add_parser("status", help="per consumer: position, backlog, lag, leader")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--consumer", help="only this consumer")
+
+    offsets = sub.add_parser("offsets", help="inspect and move consumer offsets")
+    osub = offsets.add_subparsers(dest="offsets_command", required=True, metavar="ACTION")
+    p = osub.add_parser("list", help="every consumer's position")
+    p.add_argument("--json", action="store_true")
+    p = osub.add_parser("reset", help="move a stopped consumer's offset (replay or skip)")
+    p.add_argument("consumer")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--to-earliest", action="store_true", help="replay the whole outbox")
+    target.add_argument("--to-latest", action="store_true", help="skip everything delivered so far")
+    target.add_argument("--to-seq", type=int, metavar="N", help="replay every event with seq > N")
+    target.add_argument("--to-datetime", type=_iso_datetime, metavar="ISO",
+                        help="replay every event created at or after this time")
+    target.add_argument("--shift-by", type=int, metavar="N",
+                        help="move by N events (negative: replay N events)")
+    p.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
+    return parser
+
+
+def _iso_datetime(value: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 date-time: {value!r}") from None
+    if parsed.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{value!r} needs a UTC offset, e.g. {value}+00:00")
+    return parsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `serversync` command."""
+    args = _parser().parse_args(argv)
+    try:
+        return asyncio.run(_dispatch(args))
+    except ConfigError as exc:
+        print(f"serversync: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (StartupError, admin.AdminError, migrations.MigrationError) as exc:
+        print(f"serversync: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _dispatch(args: argparse.Namespace) -> int:
+    command: str = args.command
+    if command == "ingest-server":
+        overrides: dict[str, Any] = {}
+        if args.host:
+            overrides["INGEST_HOST"] = args.host
+        if args.port is not None:
+            overrides["INGEST_PORT"] = args.port
+        receiver = load(ReceiverSettings, **overrides)
+        setup_logging(receiver.log_level, args.log_format)
+        await run_ingest_server(receiver)
+        return 0
+    if command == "demo":
+        from consumer.demo import run_demo  # noqa: PLC0415 - only the demo needs it
+
+        setup_logging("WARNING", "text")
+        return await run_demo(calls=args.calls)
+    if command == "migrate" and args.receiver:
+        receiver = load(ReceiverSettings)
+        setup_logging(receiver.log_level, args.log_format)
+        return await _migrate(receiver.frontend_database_url, ["receiver"],
+                              "FRONTEND_DATABASE_URL")
+
+    settings = load(SyncSettings)
+    setup_logging(settings.log_level, args.log_format)
+    if command == "migrate":
+        components = ["backend"] if args.core_only else ["backend", "voicebot"]
+        return await _migrate(settings.database_url, components, "DATABASE_URL")
+    if command == "run":
+        await run_consumer(settings, args.consumer, args.sink)
+        return 0
+    if command == "status":
+        return await _status(settings, args)
+    if command == "offsets":
+        return await _offsets(settings, args)
+    raise AssertionError(command)
+
+
+async def _migrate(dsn: str, components: list[str], what: str) -> int:
+    async with await connect_or_explain(dsn, "migrate", what) as conn:
+        done = await migrations.migrate(conn, components)
+    for migration in done:
+        print(f"applied {migration.component}/{migration.version}_{migration.name}")
+    if not done:
+        print(f"{what}: up to date ({', '.join(components)})")
+    return 0
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def _leader(row: dict[str, Any]) -> str:
+    if not row["running"]:
+        return "none"
+    if row["leader_pid"]:
+        return f"{row['leader_host']}/{row['leader_pid']}"
+    return f"backend {row['lock_backend_pid']}"
+
+
+async def _status(settings: SyncSettings, args: argparse.Namespace) -> int:
+    async with await connect_or_explain(settings.database_url, "status", "DATABASE_URL") as conn:
+        await _require_schema(conn)
+        rows = await admin.consumer_status(conn, args.consumer)
+        held = await admin.horizon(conn)
+    if args.consumer and not rows:
+        raise admin.AdminError(f"no consumer named {args.consumer!r}")
+    if args.json:
+        print(orjson.dumps({"consumers": rows, "horizon": held}, default=str,
+                           option=orjson.OPT_INDENT_2).decode())
+        return 0
+    print(_table(
+        ["CONSUMER", "LEADER", "LAST_SEQ", "BACKLOG", "LAG", "DELIVERED", "LAST_ERROR"],
+        [[r["consumer"], _leader(r), str(r["last_seq"]), str(r["backlog"]),
+          _age(r["lag_seconds"]), str(r["delivered_total"]),
+          (r["last_error"] or "-")[:60]] for r in rows],
+    ) if rows else "no consumers registered yet (start one with `serversync run NAME`)")
+    if held.get("held_back_events"):
+        print(f"\n{held['held_back_events']} committed event(s) are held back "
+              f"(oldest {_age(held['oldest_held_back_seconds'])}) by older open transactions:")
+        print(_table(
+            ["PID", "DATABASE", "USER", "APPLICATION", "STATE", "XACT_AGE", "QUERY"],
+            [[str(b["pid"] or "-"), str(b["datname"]), str(b["usename"]),
+              str(b["application_name"] or "-"), str(b["state"]), _age(b["xact_age_seconds"]),
+              (b["query"] or "-").replace("\n", " ")[:60]] for b in held["blockers"]],
+        ))
+    return 0
+
+
+async def _require_schema(conn: Any) -> None:
+    pending = await migrations.pending(conn, "backend")
+    if pending:
+        raise StartupError("DATABASE_URL lacks serversync's schema; run `serversync migrate`")
+
+
+async def _offsets(settings: SyncSettings, args: argparse.Namespace) -> int:
+    async with await connect_or_explain(settings.database_url, "offsets", "DATABASE_URL") as conn:
+        await _require_schema(conn)
+        if args.offsets_command == "list":
+            rows = await admin.consumer_status(conn)
+            if args.json:
+                print(orjson.dumps(rows, default=str, option=orjson.OPT_INDENT_2).decode())
+                return 0
+            print(_table(
+                ["CONSUMER", "LAST_SEQ", "POSITION", "BACKLOG", "UPDATED_AT", "RUNNING"],
+                [[r["consumer"], str(r["last_seq"]), f"{r['last_txid']}/{r['last_seq']}",
+                  str(r["backlog"]), r["updated_at"].isoformat(timespec="seconds"),
+                  "yes" if r["running"] else "no"] for r in rows],
+            ))
+            return 0
+        options = {
+            "to_earliest": args.to_earliest,
+            "to_latest": args.to_latest,
+            "to_seq": args.to_seq,
+            "to_datetime": args.to_datetime,
+            "shift_by": args.shift_by,
+        }
+        if args.dry_run:
+            plan = await admin.plan_reset(conn, args.consumer, **options)
+        else:
+            async with admin.holding_consumer_lock(conn, args.consumer):
+                plan = await admin.plan_reset(conn, args.consumer, **options)
+                await admin.apply_reset(conn, plan)
+    effect = (f"{plan.replayed} event(s) will be replayed" if plan.replayed
+              else f"{plan.skipped} event(s) will be skipped" if plan.skipped
+              else "no events change hands")
+    verb = "would move" if args.dry_run else "moved"
+    print(f"{plan.consumer}: {verb} from {plan.current} to {plan.target}; {effect}"
+          f"{' (dry run, nothing changed)' if args.dry_run else ''}")
+    return 0

@@ -1,0 +1,1 @@
+"""The reference receiver (`serversync ingest-server`): applies entries as idempotent upserts."""

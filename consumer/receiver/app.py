@@ -1,0 +1,111 @@
+"""The reference receiver's HTTP side (aiohttp): POST /api/ingest/sync and health."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import psycopg
+from aiohttp import web
+from pydantic import ValidationError
+
+from consumer.receiver.models import INGEST_REQUEST, describe
+from consumer.receiver.store import EntityStore
+
+log = logging.getLogger("serversync.receiver")
+
+STORE_KEY = web.AppKey("store", EntityStore)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(status: int, code: str, message: str, **extra: Any) -> web.Response:
+    """A JSON error body: {"error": {"code", "message", ...}}."""
+    return web.Response(
+        status=status,
+        body=orjson.dumps({"error": {"code": code, "message": message, **extra}}),
+        content_type="application/json",
+    )
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    """A JSON body serialised with orjson."""
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as JSON, never as an HTML page or a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(413, "INGEST_TOO_LARGE", f"request body over {exc.max_size} bytes")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, f"HTTP_{exc.status}", exc.reason)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "INGEST_INTERNAL_ERROR", "internal error")
+
+
+async def ingest_sync(request: web.Request) -> web.Response:
+    """Validate the whole request, then apply it in one transaction (all or nothing)."""
+    if request.content_type != "application/json":
+        return error_response(
+            415, "INGEST_UNSUPPORTED_MEDIA_TYPE", "Content-Type must be application/json"
+        )
+    body = await request.read()
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return error_response(400, "INGEST_BAD_JSON", f"body is not JSON: {exc}")
+    try:
+        ingest = INGEST_REQUEST.validate_python(parsed)
+    except ValidationError as exc:
+        field, message = describe(exc)
+        return error_response(422, "INGEST_VALIDATION_ERROR", f"{field}: {message}", field=field)
+    received = len(ingest.entries)
+    if received == 0:
+        return json_response({"ok": True, "received": 0, "applied": 0, "stale": 0})
+    try:
+        applied = await request.app[STORE_KEY].apply(body)
+    except psycopg.DataError as exc:
+        return error_response(
+            422, "INGEST_VALIDATION_ERROR", f"entries: {exc.diag.message_primary or exc}"
+        )
+    except psycopg.OperationalError as exc:
+        log.warning("receiver database unavailable: %s", exc)
+        return error_response(503, "INGEST_UNAVAILABLE", "database unavailable; retry later")
+    log.debug(
+        "applied %d of %d entries (key %s)",
+        applied, received, request.headers.get("Idempotency-Key", "-"),
+    )
+    return json_response(
+        {"ok": True, "received": received, "applied": applied, "stale": received - applied}
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """The process is alive."""
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """The receiver's database answers."""
+    try:
+        await request.app[STORE_KEY].ping()
+    except psycopg.Error as exc:
+        return json_response({"status": "unavailable", "database": str(exc).strip()}, status=503)
+    return json_response({"status": "ready"})
+
+
+def build_app(store: EntityStore, *, max_body_bytes: int) -> web.Application:
+    """The receiver's aiohttp application."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
+    app[STORE_KEY] = store
+    app.router.add_post("/api/ingest/sync", ingest_sync)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app

@@ -1,0 +1,314 @@
+"""The consumer loop: stand by until leader, then drain, deliver, commit, wait; stop cleanly.
+
+Modelled on procrastinate's worker: drain while batches come back full; once one comes back
+short, wait for whichever comes first of a NOTIFY, the poll timer or the stop event, or, while an
+older open transaction holds the read horizon back, a short re-check timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import psycopg
+
+from consumer.events import Batch, DeliveryError, Position, Sink
+from consumer.runtime.backoff import Backoff
+from consumer.runtime.wakeup import NotifyListener
+from consumer.store.leadership import LeaderLock
+from consumer.store.outbox import FencedError, OutboxStore
+
+log = logging.getLogger("serversync.runtime")
+T = TypeVar("T")
+
+
+class LeadershipLostError(Exception):
+    """The leader lock's session is gone, or a newer leader fenced this one off."""
+
+
+@dataclass
+class RuntimeConfig:
+    """The knobs of the loop (from SyncSettings)."""
+
+    batch_size: int = 100
+    poll_interval: float = 300.0
+    recheck_interval: float = 0.1
+    standby_interval: float = 1.0
+    retry_initial: float = 2.0
+    retry_max: float = 256.0
+    shutdown_timeout: float = 5.0
+
+
+@dataclass
+class RuntimeStats:
+    """What the loop did so far: for status, metrics and tests."""
+
+    is_leader: bool = False
+    epoch: int | None = None
+    position: Position | None = None
+    delivered_events: int = 0
+    delivered_batches: int = 0
+    failed_deliveries: int = 0
+    notify_wakeups: int = 0
+    poll_wakeups: int = 0
+    recheck_wakeups: int = 0
+    takeovers: int = 0
+    last_batch_at: float | None = None
+
+
+class ConsumerRuntime:
+    """Runs one named consumer: leadership, reading, delivery through a sink, offsets."""
+
+    def __init__(
+        self,
+        consumer: str,
+        *,
+        store: OutboxStore,
+        sink: Sink,
+        lock: LeaderLock,
+        listener: NotifyListener,
+        config: RuntimeConfig,
+    ) -> None:
+        self.consumer = consumer
+        self.store = store
+        self.sink = sink
+        self.lock = lock
+        self.listener = listener
+        self.config = config
+        self.stats = RuntimeStats()
+        self.stop_event = asyncio.Event()
+        self._lost = asyncio.Event()
+
+    def request_stop(self) -> None:
+        """Ask the loop to finish (what SIGTERM/SIGINT do)."""
+        self.stop_event.set()
+
+    async def run(self) -> None:
+        """Run until request_stop(): stand by, lead, and stand by again after losing the lead."""
+        await self._with_db_retry(lambda: self.store.ensure_consumer(self.consumer))
+        await self.sink.start()
+        try:
+            while not self.stop_event.is_set():
+                if not await self._wait_for_leadership():
+                    break
+                try:
+                    await self._lead()
+                except LeadershipLostError as exc:
+                    log.warning("consumer %s lost leadership: %s", self.consumer, exc)
+                except psycopg.OperationalError:
+                    if not self.stop_event.is_set():
+                        raise
+                    log.info("consumer %s: database unreachable while stopping", self.consumer)
+                finally:
+                    self.stats.is_leader = False
+                    await self.lock.release()
+        finally:
+            await self.sink.close()
+            await self.listener.stop()
+            await self.lock.release()
+
+    # -- leadership ---------------------------------------------------------------------------
+
+    async def _wait_for_leadership(self) -> bool:
+        announced = False
+        backoff = Backoff(0.2, 5.0)
+        while not self.stop_event.is_set():
+            try:
+                if await self.lock.try_acquire():
+                    return True
+                backoff.reset()
+                delay = self.config.standby_interval
+                if not announced:
+                    log.info("consumer %s: another process leads; standing by", self.consumer)
+                    announced = True
+            except psycopg.Error as exc:
+                delay = backoff.next_delay()
+                log.warning("consumer %s: database unreachable (%s); retrying in %.1fs",
+                            self.consumer, _one_line(exc), delay)
+            await self._sleep_unless_stopped(delay)
+        return False
+
+    async def _lead(self) -> None:
+        self._lost.clear()
+        leadership = await self._with_db_retry(lambda: self.store.take_leadership(self.consumer))
+        epoch, position = leadership.epoch, leadership.position
+        self.stats.is_leader, self.stats.epoch, self.stats.position = True, epoch, position
+        self.stats.takeovers += 1
+        log.info("consumer %s: leading (epoch %d) from position %s", self.consumer, epoch, position)
+        await self.listener.start()
+        watchdog = asyncio.create_task(self._watch_lock(), name=f"watch:{self.consumer}")
+        try:
+            await self._drain_loop(epoch, position)
+            with contextlib.suppress(psycopg.Error):
+                await self.store.release_leadership(self.consumer, epoch)
+            log.info("consumer %s: stopped at position %s", self.consumer, self.stats.position)
+        finally:
+            watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watchdog
+            await self.listener.stop()
+
+    async def _watch_lock(self) -> None:
+        """Notice a lost lock session within about one standby interval."""
+        while True:
+            await asyncio.sleep(self.config.standby_interval)
+            try:
+                await asyncio.wait_for(self.lock.check(), timeout=max(2.0, self.config.standby_interval))
+            except (psycopg.Error, TimeoutError) as exc:
+                log.warning("consumer %s: leader lock session lost (%s)", self.consumer,
+                            _one_line(exc))
+                self._lost.set()
+                return
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def _drain_loop(self, epoch: int, position: Position) -> None:
+        limit = self.config.batch_size
+        listener = self.listener
+        while not self.stop_event.is_set():
+            self._raise_if_lost()
+            listener.event.clear()
+            result = await self._with_db_retry(lambda: self.store.read_batch(position, limit))
+            if result.batch is not None:
+                delivered = await self._deliver(result.batch, epoch)
+                if not delivered:  # stopping, batch abandoned
+                    return
+                position = result.batch.end
+                if result.batch.count == limit:
+                    continue
+            timeout = (
+                self.config.recheck_interval if result.held_back else self.config.poll_interval
+            )
+            reason = await self._wait_for_work(timeout, held_back=result.held_back)
+            self._count_wakeup(reason)
+
+    async def _deliver(self, batch: Batch, epoch: int) -> bool:
+        """Deliver until it succeeds, then commit. False if stopped before the batch was done."""
+        backoff = Backoff(self.config.retry_initial, self.config.retry_max)
+        while True:
+            self._raise_if_lost()
+            started = time.monotonic()
+            try:
+                if not await self._deliver_once(batch):
+                    return False
+            except DeliveryError as exc:
+                self.stats.failed_deliveries += 1
+                delay = backoff.next_delay()
+                if exc.retry_after is not None:
+                    delay = max(delay, exc.retry_after)
+                log.warning(
+                    "consumer %s: delivery of seq %s failed (attempt %d): %s; retrying in %.1fs",
+                    self.consumer, batch.seq_range, backoff.attempts, exc, delay,
+                )
+                with contextlib.suppress(psycopg.Error):
+                    await self.store.record_error(self.consumer, epoch, str(exc))
+                if not await self._sleep_unless_stopped(delay):
+                    return False
+                continue
+            await self._commit(batch, epoch)
+            log.debug(
+                "consumer %s: delivered %d events seq %s in %.1f ms",
+                self.consumer, batch.count, batch.seq_range, (time.monotonic() - started) * 1000,
+            )
+            return True
+
+    async def _deliver_once(self, batch: Batch) -> bool:
+        """One delivery attempt that a stop request lets finish within the shutdown timeout."""
+        task = asyncio.create_task(self.sink.deliver(batch))
+        stop = asyncio.create_task(self.stop_event.wait())
+        lost = asyncio.create_task(self._lost.wait())
+        try:
+            await asyncio.wait({task, stop, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and lost.done():
+                task.cancel()
+                raise LeadershipLostError("leader lock session lost during delivery")
+            if not task.done():
+                # Stopping: give the batch in flight a moment to finish, else abandon it; an
+                # abandoned batch is delivered again by the next leader.
+                done, _ = await asyncio.wait({task}, timeout=self.config.shutdown_timeout)
+                if not done:
+                    task.cancel()
+                    log.info("consumer %s: abandoned batch seq %s on shutdown", self.consumer,
+                             batch.seq_range)
+                    return False
+            task.result()
+            return True
+        finally:
+            for pending in (task, stop, lost):
+                if not pending.done():
+                    pending.cancel()
+
+    async def _commit(self, batch: Batch, epoch: int) -> None:
+        try:
+            await self._with_db_retry(
+                lambda: self.store.commit_offset(self.consumer, epoch, batch.end, batch.count)
+            )
+        except FencedError as exc:
+            raise LeadershipLostError(str(exc)) from exc
+        self.stats.position = batch.end
+        self.stats.delivered_events += batch.count
+        self.stats.delivered_batches += 1
+        self.stats.last_batch_at = time.time()
+
+    async def _wait_for_work(self, timeout: float, *, held_back: bool) -> str:
+        waiters = {
+            asyncio.create_task(self.listener.event.wait()): "notify",
+            asyncio.create_task(self.stop_event.wait()): "stop",
+            asyncio.create_task(self._lost.wait()): "lost",
+        }
+        try:
+            done, _ = await asyncio.wait(
+                waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if not done:
+            return "recheck" if held_back else "poll"
+        return waiters[next(iter(done))]
+
+    def _count_wakeup(self, reason: str) -> None:
+        if reason == "notify":
+            self.stats.notify_wakeups += 1
+        elif reason == "poll":
+            self.stats.poll_wakeups += 1
+        elif reason == "recheck":
+            self.stats.recheck_wakeups += 1
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _raise_if_lost(self) -> None:
+        if self._lost.is_set():
+            raise LeadershipLostError("leader lock session lost")
+
+    async def _with_db_retry(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run a database step, riding out connection loss and server restarts with backoff."""
+        backoff = Backoff(0.2, 10.0)
+        while True:
+            try:
+                return await op()
+            except psycopg.OperationalError as exc:
+                if self.stop_event.is_set():
+                    raise
+                self._raise_if_lost()
+                delay = backoff.next_delay()
+                log.warning("consumer %s: database error (%s); retrying in %.1fs",
+                            self.consumer, _one_line(exc), delay)
+                await self._sleep_unless_stopped(delay)
+
+    async def _sleep_unless_stopped(self, delay: float) -> bool:
+        """Sleep `delay` seconds; False if a stop came first."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop_event.wait(), timeout=delay)
+            return False
+        return True
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

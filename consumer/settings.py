@@ -1,0 +1,93 @@
+"""Configuration from environment variables, validated once at start (defaults from seed 000)."""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+from pydantic import AliasChoices, Field, HttpUrl, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["ConfigError", "ReceiverSettings", "SyncSettings", "load"]
+
+
+class ConfigError(Exception):
+    """A setting is missing or invalid; the message names the variable, fit for one line."""
+
+
+class _Base(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", case_sensitive=True, extra="ignore")
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", validation_alias="SYNC_LOG_LEVEL"
+    )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+
+class SyncSettings(_Base):
+    """Settings of a consumer process (`serversync run`) and of the operator commands."""
+
+    database_url: str = Field(validation_alias="DATABASE_URL", min_length=1)
+    frontend_base_url: HttpUrl = Field(
+        HttpUrl("http://127.0.0.1:8080"), validation_alias="FRONTEND_BASE_URL"
+    )
+    poll_interval_sec: float = Field(300.0, gt=0, le=86400, validation_alias="SYNC_POLL_INTERVAL_SEC")
+    batch_size: int = Field(100, ge=1, le=50_000, validation_alias="SYNC_BATCH_SIZE")
+    timeout_sec: float = Field(30.0, gt=0, le=3600, validation_alias="SYNC_TIMEOUT_SEC")
+    # While an older open transaction holds the read horizon back, re-check this often.
+    recheck_interval_ms: int = Field(100, ge=5, le=5000, validation_alias="SYNC_RECHECK_INTERVAL_MS")
+    # How often a standby tries to take over, and how often the leader checks its lock.
+    standby_interval_sec: float = Field(
+        1.0, gt=0, le=60, validation_alias="SYNC_STANDBY_INTERVAL_SEC"
+    )
+    retry_initial_sec: float = Field(2.0, gt=0, le=3600, validation_alias="SYNC_RETRY_INITIAL_SEC")
+    retry_max_sec: float = Field(256.0, gt=0, le=86400, validation_alias="SYNC_RETRY_MAX_SEC")
+    shutdown_timeout_sec: float = Field(
+        5.0, gt=0, le=300, validation_alias="SYNC_SHUTDOWN_TIMEOUT_SEC"
+    )
+
+    @property
+    def frontend_url(self) -> str:
+        """FRONTEND_BASE_URL without a trailing slash."""
+        return str(self.frontend_base_url).rstrip("/")
+
+
+class ReceiverSettings(_Base):
+    """Settings of the reference receiver (`serversync ingest-server`)."""
+
+    frontend_database_url: str = Field(
+        validation_alias=AliasChoices("FRONTEND_DATABASE_URL"), min_length=1
+    )
+    host: str = Field("127.0.0.1", validation_alias="INGEST_HOST")
+    port: int = Field(8080, ge=0, le=65535, validation_alias="INGEST_PORT")
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, validation_alias="INGEST_MAX_BODY_BYTES"
+    )
+
+
+def _one_line(exc: ValidationError, model: type[BaseSettings]) -> str:
+    error = exc.errors()[0]
+    field = str(error["loc"][0]) if error["loc"] else "?"
+    info = model.model_fields.get(field)
+    alias = info.validation_alias if info is not None else None
+    if isinstance(alias, AliasChoices):
+        alias = str(alias.choices[0])
+    name = alias if isinstance(alias, str) else field
+    if error["type"] == "missing":
+        return f"{name} is not set"
+    given = error.get("input")
+    return f"{name}={given!s}: {error['msg']}"
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load(model: type[S], **overrides: object) -> S:
+    """Read and validate `model` from the environment; raise ConfigError naming the variable."""
+    try:
+        return model(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(exc, model)) from None

@@ -1,0 +1,1 @@
+"""Sinks: where each consumer delivers its batches. A sink knows nothing about offsets."""

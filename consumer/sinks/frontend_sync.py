@@ -1,0 +1,49 @@
+"""frontend-sync: POST each batch as JSON to the frontend's /api/ingest/sync."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from consumer.events import Batch, DeliveryError
+from consumer.sinks.http import client_session, raise_for_outcome
+
+INGEST_PATH = "/api/ingest/sync"
+
+
+class FrontendSyncSink:
+    """Delivers a batch in one request: {"entries": [...]} (see docs/wire-contract.md)."""
+
+    name = "frontend-sync"
+
+    def __init__(self, base_url: str, *, timeout_sec: float) -> None:
+        self.url = base_url.rstrip("/") + INGEST_PATH
+        self._timeout = timeout_sec
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Open the HTTP session."""
+        self._session = client_session(self._timeout)
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def deliver(self, batch: Batch) -> None:
+        """POST the batch; any non-2xx answer, timeout or network error is a DeliveryError."""
+        assert self._session is not None, "start() first"
+        # The batch's entries already are the wire format: wrap them without parsing.
+        body = b'{"entries":' + batch.entries_json + b"}"
+        headers = {
+            "Content-Type": "application/json",
+            # The same batch always gets the same key, so a receiver can recognise a retry.
+            "Idempotency-Key": f"{self.name}:{batch.end.txid}:{batch.end.seq}:{batch.count}",
+        }
+        try:
+            async with self._session.post(self.url, data=body, headers=headers) as response:
+                await raise_for_outcome(response, f"POST {self.url}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise DeliveryError(f"POST {self.url} failed: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,26 @@
+"""The null sink: accepts every batch. For measuring the runtime alone."""
+
+from __future__ import annotations
+
+from consumer.events import Batch
+
+
+class NullSink:
+    """Accepts every batch and counts what it saw."""
+
+    name = "null"
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.batches = 0
+
+    async def start(self) -> None:
+        """Nothing to open."""
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+    async def deliver(self, batch: Batch) -> None:
+        """Accept the batch."""
+        self.events += batch.count
+        self.batches += 1

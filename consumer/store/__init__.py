@@ -1,0 +1,1 @@
+"""The outbox store: reading batches, consumer positions, leadership and operator queries."""

@@ -1,0 +1,135 @@
+"""Reading the outbox and moving a consumer's offset, fenced by the leader epoch."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from consumer.events import Batch, Position
+from consumer.queries import query
+
+
+class FencedError(Exception):
+    """A newer leader took over this consumer: the old one must not move the offset."""
+
+
+class UnknownConsumerError(Exception):
+    """No such consumer is registered in sync.consumer_offsets."""
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """One read of the outbox: a batch (None when nothing is ready) and whether an older open
+    transaction holds the horizon back."""
+
+    batch: Batch | None
+    held_back: bool
+
+
+@dataclass(frozen=True)
+class Leadership:
+    """The epoch a leader took, and where the consumer stood then."""
+
+    epoch: int
+    position: Position
+
+
+class OutboxStore:
+    """Outbox reads and offset writes over a connection pool."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        self._pool = pool
+
+    async def read_batch(self, after: Position, limit: int) -> ReadResult:
+        """Up to `limit` events after `after` whose transactions have all ended (gap-safe)."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                query("read_batch"),
+                {"txid": str(after.txid), "seq": after.seq, "limit": limit},
+                prepare=True,
+            )
+            row = await cur.fetchone()
+        assert row is not None
+        n, last_txid, last_seq, min_seq, max_seq, oldest, entries, held_back = row
+        if n == 0:
+            return ReadResult(None, bool(held_back))
+        batch = Batch(
+            count=n,
+            end=Position(int(last_txid), last_seq),
+            min_seq=min_seq,
+            max_seq=max_seq,
+            oldest_created_at=oldest,
+            entries_json=bytes(entries),
+        )
+        return ReadResult(batch, bool(held_back))
+
+    async def ensure_consumer(self, consumer: str) -> None:
+        """Register the consumer at the start of the outbox unless it exists."""
+        async with self._pool.connection() as conn:
+            await conn.execute(query("ensure_consumer"), {"consumer": consumer})
+
+    async def take_leadership(self, consumer: str) -> Leadership:
+        """Take a new epoch for this process (call while holding the leader lock)."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                query("take_leadership"),
+                {"consumer": consumer, "host": socket.gethostname(), "pid": os.getpid()},
+            )
+            row = await cur.fetchone()
+        if row is None:
+            raise UnknownConsumerError(consumer)
+        epoch, last_txid, last_seq = row
+        return Leadership(epoch, Position(int(last_txid), last_seq))
+
+    async def current_position(self, consumer: str, epoch: int) -> Position:
+        """The stored position, as long as `epoch` still leads (else FencedError)."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(query("read_position"), {"consumer": consumer, "epoch": epoch})
+            row = await cur.fetchone()
+        if row is None:
+            raise FencedError(f"consumer {consumer}: epoch {epoch} no longer leads")
+        return Position(int(row[0]), row[1])
+
+    async def commit_offset(
+        self, consumer: str, epoch: int, position: Position, delivered: int
+    ) -> None:
+        """Move the offset to `position`; raises FencedError if a newer leader took over."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(
+                query("commit_offset"),
+                {
+                    "consumer": consumer,
+                    "epoch": epoch,
+                    "txid": str(position.txid),
+                    "seq": position.seq,
+                    "delivered": delivered,
+                },
+                prepare=True,
+            )
+            if cur.rowcount != 1:
+                raise FencedError(f"consumer {consumer}: epoch {epoch} was fenced off")
+
+    async def record_error(self, consumer: str, epoch: int, error: str) -> None:
+        """Keep the last delivery error for `serversync status`."""
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                query("record_error"), {"consumer": consumer, "epoch": epoch, "error": error[:2000]}
+            )
+
+    async def release_leadership(self, consumer: str, epoch: int) -> None:
+        """Clear the leader columns on a clean stop."""
+        async with self._pool.connection() as conn:
+            await conn.execute(query("release_leadership"), {"consumer": consumer, "epoch": epoch})
+
+    async def snapshot_row(self, consumer: str) -> dict[str, Any] | None:
+        """The consumer's offsets row, for diagnostics."""
+        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                "SELECT * FROM sync.consumer_offsets WHERE consumer = %s", (consumer,)
+            )
+            return await cur.fetchone()

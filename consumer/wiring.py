@@ -1,0 +1,162 @@
+"""Puts the parts together: a consumer process, the receiver, and the checks both need first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+from aiohttp import web
+from psycopg_pool import AsyncConnectionPool
+
+from consumer import migrations
+from consumer.db import connect, connect_kwargs, mask_dsn
+from consumer.events import Sink
+from consumer.receiver.app import build_app
+from consumer.receiver.store import EntityStore
+from consumer.runtime.wakeup import NotifyListener
+from consumer.runtime.worker import ConsumerRuntime, RuntimeConfig
+from consumer.settings import ReceiverSettings, SyncSettings
+from consumer.sinks.frontend_sync import FrontendSyncSink
+from consumer.sinks.null import NullSink
+from consumer.store.leadership import LeaderLock
+from consumer.store.outbox import OutboxStore
+
+log = logging.getLogger("serversync")
+
+CONSUMERS = ("frontend-sync",)
+SINKS = ("default", "null")
+
+
+class StartupError(Exception):
+    """The process cannot start: the message says what to fix, in one line."""
+
+
+async def connect_or_explain(dsn: str, role: str, what: str) -> psycopg.AsyncConnection[Any]:
+    """An autocommit connection, or a StartupError naming the variable and the masked DSN."""
+    try:
+        return await connect(dsn, role)
+    except psycopg.Error as exc:
+        lines = str(exc).strip().splitlines()
+        first = lines[0] if lines else type(exc).__name__
+        raise StartupError(f"cannot connect to {what} ({mask_dsn(dsn)}): {first}") from None
+
+
+async def check_database(dsn: str, components: list[str], what: str) -> None:
+    """Fail with a clear message if the database is unreachable or lacks migrations."""
+    async with await connect_or_explain(dsn, "check", what) as conn:
+        for component in components:
+            try:
+                todo = await migrations.pending(conn, component)
+            except migrations.MigrationError as exc:
+                raise StartupError(str(exc)) from None
+            if todo:
+                raise StartupError(
+                    f"{what} lacks {len(todo)} {component} migration(s) "
+                    f"(first: {todo[0].version}_{todo[0].name}); run `serversync migrate`"
+                )
+
+
+def make_sink(consumer: str, settings: SyncSettings, sink: str = "default") -> Sink:
+    """The sink a consumer delivers to."""
+    if sink == "null":
+        return NullSink()
+    if consumer == "frontend-sync":
+        return FrontendSyncSink(settings.frontend_url, timeout_sec=settings.timeout_sec)
+    raise StartupError(f"unknown consumer {consumer!r} (known: {', '.join(CONSUMERS)})")
+
+
+def runtime_config(settings: SyncSettings) -> RuntimeConfig:
+    """The loop's knobs from the settings."""
+    return RuntimeConfig(
+        batch_size=settings.batch_size,
+        poll_interval=settings.poll_interval_sec,
+        recheck_interval=settings.recheck_interval_ms / 1000,
+        standby_interval=settings.standby_interval_sec,
+        retry_initial=settings.retry_initial_sec,
+        retry_max=settings.retry_max_sec,
+        shutdown_timeout=settings.shutdown_timeout_sec,
+    )
+
+
+@contextlib.asynccontextmanager
+async def open_pool(dsn: str, role: str, *, max_size: int = 4) -> AsyncIterator[AsyncConnectionPool[Any]]:
+    """A psycopg pool whose connections are checked on checkout and reconnect after restarts."""
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max_size,
+        kwargs={"autocommit": True, **connect_kwargs(role)},
+        check=AsyncConnectionPool.check_connection,
+        open=False,
+        reconnect_timeout=0,
+        timeout=30,
+    )
+    await pool.open(wait=False)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+@contextlib.asynccontextmanager
+async def consumer_runtime(
+    settings: SyncSettings, consumer: str, sink: str = "default"
+) -> AsyncIterator[ConsumerRuntime]:
+    """A ready-to-run consumer (the caller runs it and asks it to stop)."""
+    if consumer not in CONSUMERS:
+        raise StartupError(f"unknown consumer {consumer!r} (known: {', '.join(CONSUMERS)})")
+    dsn = settings.database_url
+    async with open_pool(dsn, f"run:{consumer}") as pool:
+        yield ConsumerRuntime(
+            consumer,
+            store=OutboxStore(pool),
+            sink=make_sink(consumer, settings, sink),
+            lock=LeaderLock(dsn, consumer),
+            listener=NotifyListener(dsn, consumer),
+            config=runtime_config(settings),
+        )
+
+
+def _install_stop_handlers(stop: asyncio.Event | Any) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+
+
+async def run_consumer(settings: SyncSettings, consumer: str, sink: str = "default") -> None:
+    """`serversync run CONSUMER`: until SIGTERM/SIGINT."""
+    await check_database(settings.database_url, ["backend"], "DATABASE_URL")
+    async with consumer_runtime(settings, consumer, sink) as runtime:
+        _install_stop_handlers(runtime.request_stop)
+        log.info(
+            "consumer %s starting (batch %d, poll %ss, sink %s)",
+            consumer, settings.batch_size, settings.poll_interval_sec, runtime.sink.name,
+        )
+        await runtime.run()
+    log.info("consumer %s stopped", consumer)
+
+
+async def run_ingest_server(settings: ReceiverSettings) -> None:
+    """`serversync ingest-server`: migrate the receiver's database, then serve until signalled."""
+    dsn = settings.frontend_database_url
+    async with await connect_or_explain(dsn, "ingest-migrate", "FRONTEND_DATABASE_URL") as conn:
+        await migrations.migrate(conn, ["receiver"])
+    async with open_pool(dsn, "ingest", max_size=8) as pool:
+        app = build_app(EntityStore(pool), max_body_bytes=settings.max_body_bytes)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        log.info("ingest-server listening on http://%s:%d", settings.host, settings.port)
+        stop = asyncio.Event()
+        _install_stop_handlers(stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+    log.info("ingest-server stopped")

@@ -1,0 +1,218 @@
+-- Named, parameterised queries of serversync (loaded by consumer/queries.py).
+-- A block starts with "-- name: NAME" and runs to the next such line.
+
+-- name: read_batch
+-- The gap-safe read. One statement, so the horizon and the rows come from the same snapshot:
+-- only transactions older than the snapshot's xmin are read; every one of them has ended, so
+-- nothing can later appear behind the position. `held_back` says that some transaction was still
+-- running when the snapshot was taken (xmin < xmax): rows it or a younger one committed may be
+-- waiting behind the horizon, and nothing will notify when an unrelated transaction ends, so the
+-- caller re-checks soon instead of waiting for the poll timer.
+WITH horizon AS MATERIALIZED (
+    SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmax(s) AS xmax
+    FROM pg_current_snapshot() AS s
+), batch AS MATERIALIZED (
+    SELECT o.txid, o.seq, o.op, o.entity_type, o.entity_id, o.payload, o.created_at
+    FROM sync.events_outbox o
+    WHERE (o.txid, o.seq) > (%(txid)s::xid8, %(seq)s::bigint)
+      AND o.txid < (SELECT xmin FROM horizon)
+    ORDER BY o.txid, o.seq
+    LIMIT %(limit)s
+)
+SELECT
+    count(*) AS n,
+    (array_agg(b.txid ORDER BY b.txid DESC, b.seq DESC))[1]::text AS last_txid,
+    (array_agg(b.seq ORDER BY b.txid DESC, b.seq DESC))[1] AS last_seq,
+    min(b.seq) AS min_seq,
+    max(b.seq) AS max_seq,
+    min(b.created_at) AS oldest_created_at,
+    convert_to(coalesce(json_agg(json_build_object(
+        'entityType', b.entity_type,
+        'entityId', b.entity_id,
+        'op', b.op,
+        'seq', b.seq,
+        'payload', b.payload,
+        'createdAt', b.created_at
+    ) ORDER BY b.txid, b.seq)::text, '[]'), 'UTF8') AS entries,
+    (SELECT xmin < xmax FROM horizon) AS held_back
+FROM batch b;
+
+-- name: ensure_consumer
+INSERT INTO sync.consumer_offsets (consumer) VALUES (%(consumer)s)
+ON CONFLICT (consumer) DO NOTHING;
+
+-- name: try_leader_lock
+SELECT pg_try_advisory_lock(hashtext('serversync.consumer'), hashtext(%(consumer)s)) AS locked;
+
+-- name: unlock_leader
+SELECT pg_advisory_unlock(hashtext('serversync.consumer'), hashtext(%(consumer)s)) AS unlocked;
+
+-- name: take_leadership
+-- A new leader takes a new epoch; offset writes of any older epoch are refused from now on.
+UPDATE sync.consumer_offsets
+SET leader_epoch = leader_epoch + 1,
+    leader_host = %(host)s,
+    leader_pid = %(pid)s,
+    leader_since = now()
+WHERE consumer = %(consumer)s
+RETURNING leader_epoch, last_txid::text AS last_txid, last_seq;
+
+-- name: read_position
+SELECT last_txid::text AS last_txid, last_seq
+FROM sync.consumer_offsets
+WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
+
+-- name: commit_offset
+-- Fenced: only the leader of the current epoch moves the offset.
+UPDATE sync.consumer_offsets
+SET last_txid = %(txid)s::xid8,
+    last_seq = %(seq)s,
+    updated_at = now(),
+    delivered_total = delivered_total + %(delivered)s,
+    last_error = NULL,
+    last_error_at = NULL
+WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
+
+-- name: record_error
+UPDATE sync.consumer_offsets
+SET last_error = %(error)s, last_error_at = now()
+WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
+
+-- name: release_leadership
+UPDATE sync.consumer_offsets
+SET leader_host = NULL, leader_pid = NULL, leader_since = NULL
+WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
+
+-- name: leader_running
+-- Whether some session holds the consumer's leader lock right now.
+SELECT l.pid
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = hashtext('serversync.consumer')::oid
+  AND l.objid = hashtext(%(consumer)s)::oid;
+
+-- name: consumer_status
+-- Per consumer: its position, what is still to deliver, and whether a leader holds its lock.
+SELECT c.consumer,
+       c.last_txid::text AS last_txid,
+       c.last_seq,
+       c.updated_at,
+       c.delivered_total,
+       c.leader_epoch,
+       c.leader_host,
+       c.leader_pid,
+       c.leader_since,
+       c.last_error,
+       c.last_error_at,
+       lock.pid AS lock_backend_pid,
+       pending.backlog,
+       pending.oldest_created_at,
+       extract(epoch FROM now() - pending.oldest_created_at)::float8 AS lag_seconds
+FROM sync.consumer_offsets c
+LEFT JOIN LATERAL (
+    SELECT l.pid
+    FROM pg_locks l
+    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid = hashtext('serversync.consumer')::oid
+      AND l.objid = hashtext(c.consumer)::oid
+    LIMIT 1
+) lock ON true
+CROSS JOIN LATERAL (
+    SELECT count(*) AS backlog, min(o.created_at) AS oldest_created_at
+    FROM sync.events_outbox o
+    WHERE (o.txid, o.seq) > (c.last_txid, c.last_seq)
+) pending
+WHERE %(consumer)s::text IS NULL OR c.consumer = %(consumer)s
+ORDER BY c.consumer;
+
+-- name: horizon_state
+-- Committed events that no consumer can read yet because an older transaction is still open.
+WITH horizon AS MATERIALIZED (
+    SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
+)
+SELECT count(*) AS held_back_events,
+       extract(epoch FROM now() - min(o.created_at))::float8 AS oldest_held_back_seconds
+FROM sync.events_outbox o
+WHERE o.txid >= (SELECT xmin FROM horizon);
+
+-- name: horizon_blockers
+-- The oldest open transactions that hold an xid: the read horizon of every consumer waits for
+-- them (in any database of the cluster), and prepared transactions hold it too.
+SELECT a.pid, a.datname, a.usename, a.application_name, a.state,
+       extract(epoch FROM now() - a.xact_start)::float8 AS xact_age_seconds,
+       left(a.query, 200) AS query
+FROM pg_stat_activity a
+WHERE a.backend_xid IS NOT NULL
+UNION ALL
+SELECT NULL, p.database, p.owner, 'prepared: ' || p.gid, 'prepared',
+       extract(epoch FROM now() - p.prepared)::float8, NULL
+FROM pg_prepared_xacts p
+ORDER BY xact_age_seconds DESC NULLS LAST
+LIMIT %(limit)s;
+
+-- name: position_latest
+-- The end of what is final now: rows of still-open transactions are delivered after a reset.
+SELECT txid::text, seq
+FROM sync.events_outbox
+WHERE txid < pg_snapshot_xmin(pg_current_snapshot())
+ORDER BY txid DESC, seq DESC
+LIMIT 1;
+
+-- name: position_before_seq
+-- Just before the first event (in delivery order) with seq > N: every such event is replayed.
+SELECT txid::text, seq - 1
+FROM sync.events_outbox
+WHERE seq > %(seq)s
+ORDER BY txid, seq
+LIMIT 1;
+
+-- name: position_before_time
+-- Just before the first event (in delivery order) created at or after the given time.
+SELECT txid::text, seq - 1
+FROM sync.events_outbox
+WHERE created_at >= %(at)s
+ORDER BY txid, seq
+LIMIT 1;
+
+-- name: position_forward
+-- The N-th final event after a position (N >= 1).
+SELECT txid::text, seq
+FROM sync.events_outbox
+WHERE (txid, seq) > (%(txid)s::xid8, %(seq)s::bigint)
+  AND txid < pg_snapshot_xmin(pg_current_snapshot())
+ORDER BY txid, seq
+OFFSET %(n)s - 1
+LIMIT 1;
+
+-- name: position_backward
+-- The position N events back from a position (N >= 1): the event before the N-th one back.
+SELECT txid::text, seq
+FROM sync.events_outbox
+WHERE (txid, seq) <= (%(txid)s::xid8, %(seq)s::bigint)
+ORDER BY txid DESC, seq DESC
+OFFSET %(n)s
+LIMIT 1;
+
+-- name: count_between
+-- Events after position a up to and including position b.
+SELECT count(*)
+FROM sync.events_outbox
+WHERE (txid, seq) > (%(a_txid)s::xid8, %(a_seq)s::bigint)
+  AND (txid, seq) <= (%(b_txid)s::xid8, %(b_seq)s::bigint);
+
+-- name: set_position
+-- An operator moved the offset: a new epoch fences off any leader that still thinks it leads.
+UPDATE sync.consumer_offsets
+SET last_txid = %(txid)s::xid8,
+    last_seq = %(seq)s,
+    updated_at = now(),
+    leader_epoch = leader_epoch + 1,
+    leader_host = NULL,
+    leader_pid = NULL,
+    leader_since = NULL
+WHERE consumer = %(consumer)s;
+
+-- name: horizon_xmin
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text;

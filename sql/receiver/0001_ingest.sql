@@ -1,0 +1,24 @@
+-- The reference receiver's store. Generic on purpose: any well-formed entity type is kept, so a
+-- newly tracked table needs no receiver change.
+CREATE SCHEMA IF NOT EXISTS ingest;
+
+CREATE TABLE ingest.entities (
+    entity_type text        NOT NULL,
+    entity_id   text        NOT NULL,
+    -- The version guard: the outbox seq of the change that produced this state. An entry with a
+    -- seq not above it is stale and changes nothing.
+    seq         bigint      NOT NULL,
+    -- A delete keeps the row as a tombstone (deleted, payload NULL) so that a late, older upsert
+    -- cannot bring the entity back.
+    deleted     boolean     NOT NULL DEFAULT false,
+    payload     jsonb,
+    source_created_at timestamptz,
+    applied_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (entity_type, entity_id)
+);
+
+-- The live entities, without tombstones.
+CREATE VIEW ingest.live_entities AS
+SELECT entity_type, entity_id, seq, payload, source_created_at, applied_at
+FROM ingest.entities
+WHERE NOT deleted;
