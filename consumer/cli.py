@@ -32,20 +32,34 @@ def _parser() -> argparse.ArgumentParser:
         prog="serversync",
         description="Move every change out of a PostgreSQL database to the services that need it.",
     )
-    parser.add_argument("--log-format", choices=["json", "text"], default="json",
-                        help="log lines on stderr as JSON objects (default) or text")
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        default="json",
+        help="log lines on stderr as JSON objects (default) or text",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("migrate", help="apply the SQL migrations (DATABASE_URL)")
-    p.add_argument("--core-only", action="store_true",
-                   help="only serversync's own schema, not the voicebot example tables")
-    p.add_argument("--receiver", action="store_true",
-                   help="migrate the reference receiver's database (FRONTEND_DATABASE_URL) instead")
+    p.add_argument(
+        "--core-only",
+        action="store_true",
+        help="only serversync's own schema, not the voicebot example tables",
+    )
+    p.add_argument(
+        "--receiver",
+        action="store_true",
+        help="migrate the reference receiver's database (FRONTEND_DATABASE_URL) instead",
+    )
 
     p = sub.add_parser("run", help="run a consumer until SIGTERM/SIGINT")
     p.add_argument("consumer", choices=CONSUMERS)
-    p.add_argument("--sink", choices=SINKS, default="default",
-                   help="'null' accepts every batch without sending it (benchmarks)")
+    p.add_argument(
+        "--sink",
+        choices=SINKS,
+        default="default",
+        help="'null' accepts every batch without sending it (benchmarks)",
+    )
 
     p = sub.add_parser("ingest-server", help="run the reference receiver (FRONTEND_DATABASE_URL)")
     p.add_argument("--host", help="address to bind (INGEST_HOST, default 127.0.0.1)")
@@ -68,10 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--to-earliest", action="store_true", help="replay the whole outbox")
     target.add_argument("--to-latest", action="store_true", help="skip everything delivered so far")
     target.add_argument("--to-seq", type=int, metavar="N", help="replay every event with seq > N")
-    target.add_argument("--to-datetime", type=_iso_datetime, metavar="ISO",
-                        help="replay every event created at or after this time")
-    target.add_argument("--shift-by", type=int, metavar="N",
-                        help="move by N events (negative: replay N events)")
+    target.add_argument(
+        "--to-datetime",
+        type=_iso_datetime,
+        metavar="ISO",
+        help="replay every event created at or after this time",
+    )
+    target.add_argument(
+        "--shift-by", type=int, metavar="N", help="move by N events (negative: replay N events)"
+    )
     p.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
     return parser
 
@@ -121,8 +140,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
     if command == "migrate" and args.receiver:
         receiver = load(ReceiverSettings)
         setup_logging(receiver.log_level, args.log_format)
-        return await _migrate(receiver.frontend_database_url, ["receiver"],
-                              "FRONTEND_DATABASE_URL")
+        return await _migrate(receiver.frontend_database_url, ["receiver"], "FRONTEND_DATABASE_URL")
 
     settings = load(SyncSettings)
     setup_logging(settings.log_level, args.log_format)
@@ -161,8 +179,9 @@ def _age(seconds: float | None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
@@ -184,24 +203,53 @@ async def _status(settings: SyncSettings, args: argparse.Namespace) -> int:
     if args.consumer and not rows:
         raise admin.AdminError(f"no consumer named {args.consumer!r}")
     if args.json:
-        print(orjson.dumps({"consumers": rows, "horizon": held}, default=str,
-                           option=orjson.OPT_INDENT_2).decode())
+        print(
+            orjson.dumps(
+                {"consumers": rows, "horizon": held}, default=str, option=orjson.OPT_INDENT_2
+            ).decode()
+        )
         return 0
-    print(_table(
-        ["CONSUMER", "LEADER", "LAST_SEQ", "BACKLOG", "LAG", "DELIVERED", "LAST_ERROR"],
-        [[r["consumer"], _leader(r), str(r["last_seq"]), str(r["backlog"]),
-          _age(r["lag_seconds"]), str(r["delivered_total"]),
-          (r["last_error"] or "-")[:60]] for r in rows],
-    ) if rows else "no consumers registered yet (start one with `serversync run NAME`)")
+    print(
+        _table(
+            ["CONSUMER", "LEADER", "LAST_SEQ", "BACKLOG", "LAG", "DELIVERED", "LAST_ERROR"],
+            [
+                [
+                    r["consumer"],
+                    _leader(r),
+                    str(r["last_seq"]),
+                    str(r["backlog"]),
+                    _age(r["lag_seconds"]),
+                    str(r["delivered_total"]),
+                    (r["last_error"] or "-")[:60],
+                ]
+                for r in rows
+            ],
+        )
+        if rows
+        else "no consumers registered yet (start one with `serversync run NAME`)"
+    )
     if held.get("held_back_events"):
-        print(f"\n{held['held_back_events']} committed event(s) are held back "
-              f"(oldest {_age(held['oldest_held_back_seconds'])}) by older open transactions:")
-        print(_table(
-            ["PID", "DATABASE", "USER", "APPLICATION", "STATE", "XACT_AGE", "QUERY"],
-            [[str(b["pid"] or "-"), str(b["datname"]), str(b["usename"]),
-              str(b["application_name"] or "-"), str(b["state"]), _age(b["xact_age_seconds"]),
-              (b["query"] or "-").replace("\n", " ")[:60]] for b in held["blockers"]],
-        ))
+        print(
+            f"\n{held['held_back_events']} committed event(s) are held back "
+            f"(oldest {_age(held['oldest_held_back_seconds'])}) by older open transactions:"
+        )
+        print(
+            _table(
+                ["PID", "DATABASE", "USER", "APPLICATION", "STATE", "XACT_AGE", "QUERY"],
+                [
+                    [
+                        str(b["pid"] or "-"),
+                        str(b["datname"]),
+                        str(b["usename"]),
+                        str(b["application_name"] or "-"),
+                        str(b["state"]),
+                        _age(b["xact_age_seconds"]),
+                        (b["query"] or "-").replace("\n", " ")[:60],
+                    ]
+                    for b in held["blockers"]
+                ],
+            )
+        )
     return 0
 
 
@@ -219,12 +267,22 @@ async def _offsets(settings: SyncSettings, args: argparse.Namespace) -> int:
             if args.json:
                 print(orjson.dumps(rows, default=str, option=orjson.OPT_INDENT_2).decode())
                 return 0
-            print(_table(
-                ["CONSUMER", "LAST_SEQ", "POSITION", "BACKLOG", "UPDATED_AT", "RUNNING"],
-                [[r["consumer"], str(r["last_seq"]), f"{r['last_txid']}/{r['last_seq']}",
-                  str(r["backlog"]), r["updated_at"].isoformat(timespec="seconds"),
-                  "yes" if r["running"] else "no"] for r in rows],
-            ))
+            print(
+                _table(
+                    ["CONSUMER", "LAST_SEQ", "POSITION", "BACKLOG", "UPDATED_AT", "RUNNING"],
+                    [
+                        [
+                            r["consumer"],
+                            str(r["last_seq"]),
+                            f"{r['last_txid']}/{r['last_seq']}",
+                            str(r["backlog"]),
+                            r["updated_at"].isoformat(timespec="seconds"),
+                            "yes" if r["running"] else "no",
+                        ]
+                        for r in rows
+                    ],
+                )
+            )
             return 0
         options = {
             "to_earliest": args.to_earliest,
@@ -239,10 +297,16 @@ async def _offsets(settings: SyncSettings, args: argparse.Namespace) -> int:
             async with admin.holding_consumer_lock(conn, args.consumer):
                 plan = await admin.plan_reset(conn, args.consumer, **options)
                 await admin.apply_reset(conn, plan)
-    effect = (f"{plan.replayed} event(s) will be replayed" if plan.replayed
-              else f"{plan.skipped} event(s) will be skipped" if plan.skipped
-              else "no events change hands")
+    effect = (
+        f"{plan.replayed} event(s) will be replayed"
+        if plan.replayed
+        else f"{plan.skipped} event(s) will be skipped"
+        if plan.skipped
+        else "no events change hands"
+    )
     verb = "would move" if args.dry_run else "moved"
-    print(f"{plan.consumer}: {verb} from {plan.current} to {plan.target}; {effect}"
-          f"{' (dry run, nothing changed)' if args.dry_run else ''}")
+    print(
+        f"{plan.consumer}: {verb} from {plan.current} to {plan.target}; {effect}"
+        f"{' (dry run, nothing changed)' if args.dry_run else ''}"
+    )
     return 0

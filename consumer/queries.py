@@ -15,7 +15,9 @@ def sql_dir() -> Path:
     for candidate in (here / "_sql", here.parent / "sql"):
         if (candidate / "queries.sql").is_file():
             return candidate
-    raise FileNotFoundError(f"serversync's SQL files are missing (looked in {here}/_sql and ../sql)")
+    raise FileNotFoundError(
+        f"serversync's SQL files are missing (looked in {here}/_sql and ../sql)"
+    )
 
 
 def parse_named_queries(text: str) -> dict[str, str]:

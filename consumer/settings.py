@@ -34,11 +34,15 @@ class SyncSettings(_Base):
     frontend_base_url: HttpUrl = Field(
         HttpUrl("http://127.0.0.1:8080"), validation_alias="FRONTEND_BASE_URL"
     )
-    poll_interval_sec: float = Field(300.0, gt=0, le=86400, validation_alias="SYNC_POLL_INTERVAL_SEC")
+    poll_interval_sec: float = Field(
+        300.0, gt=0, le=86400, validation_alias="SYNC_POLL_INTERVAL_SEC"
+    )
     batch_size: int = Field(100, ge=1, le=50_000, validation_alias="SYNC_BATCH_SIZE")
     timeout_sec: float = Field(30.0, gt=0, le=3600, validation_alias="SYNC_TIMEOUT_SEC")
     # While an older open transaction holds the read horizon back, re-check this often.
-    recheck_interval_ms: int = Field(100, ge=5, le=5000, validation_alias="SYNC_RECHECK_INTERVAL_MS")
+    recheck_interval_ms: int = Field(
+        100, ge=5, le=5000, validation_alias="SYNC_RECHECK_INTERVAL_MS"
+    )
     # How often a standby tries to take over, and how often the leader checks its lock.
     standby_interval_sec: float = Field(
         1.0, gt=0, le=60, validation_alias="SYNC_STANDBY_INTERVAL_SEC"
@@ -63,9 +67,7 @@ class ReceiverSettings(_Base):
     )
     host: str = Field("127.0.0.1", validation_alias="INGEST_HOST")
     port: int = Field(8080, ge=0, le=65535, validation_alias="INGEST_PORT")
-    max_body_bytes: int = Field(
-        32 * 1024 * 1024, ge=1024, validation_alias="INGEST_MAX_BODY_BYTES"
-    )
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, validation_alias="INGEST_MAX_BODY_BYTES")
 
 
 def _one_line(exc: ValidationError, model: type[BaseSettings]) -> str:
@@ -88,6 +90,6 @@ S = TypeVar("S", bound=BaseSettings)
 def load(model: type[S], **overrides: object) -> S:
     """Read and validate `model` from the environment; raise ConfigError naming the variable."""
     try:
-        return model(**overrides)
+        return model(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise ConfigError(_one_line(exc, model)) from None

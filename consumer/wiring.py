@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import psycopg
@@ -84,7 +84,9 @@ def runtime_config(settings: SyncSettings) -> RuntimeConfig:
 
 
 @contextlib.asynccontextmanager
-async def open_pool(dsn: str, role: str, *, max_size: int = 4) -> AsyncIterator[AsyncConnectionPool[Any]]:
+async def open_pool(
+    dsn: str, role: str, *, max_size: int = 4
+) -> AsyncIterator[AsyncConnectionPool[Any]]:
     """A psycopg pool whose connections are checked on checkout and reconnect after restarts."""
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         dsn,
@@ -122,7 +124,7 @@ async def consumer_runtime(
         )
 
 
-def _install_stop_handlers(stop: asyncio.Event | Any) -> None:
+def _install_stop_handlers(stop: Callable[[], object]) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop)
@@ -135,7 +137,10 @@ async def run_consumer(settings: SyncSettings, consumer: str, sink: str = "defau
         _install_stop_handlers(runtime.request_stop)
         log.info(
             "consumer %s starting (batch %d, poll %ss, sink %s)",
-            consumer, settings.batch_size, settings.poll_interval_sec, runtime.sink.name,
+            consumer,
+            settings.batch_size,
+            settings.poll_interval_sec,
+            runtime.sink.name,
         )
         await runtime.run()
     log.info("consumer %s stopped", consumer)

@@ -17,6 +17,7 @@ from consumer.receiver.store import EntityStore
 log = logging.getLogger("serversync.receiver")
 
 STORE_KEY = web.AppKey("store", EntityStore)
+MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -39,8 +40,9 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     """Every error leaves as JSON, never as an HTML page or a traceback."""
     try:
         return await handler(request)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(413, "INGEST_TOO_LARGE", f"request body over {exc.max_size} bytes")
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY_KEY]
+        return error_response(413, "INGEST_TOO_LARGE", f"request body over {limit} bytes")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -80,7 +82,9 @@ async def ingest_sync(request: web.Request) -> web.Response:
         return error_response(503, "INGEST_UNAVAILABLE", "database unavailable; retry later")
     log.debug(
         "applied %d of %d entries (key %s)",
-        applied, received, request.headers.get("Idempotency-Key", "-"),
+        applied,
+        received,
+        request.headers.get("Idempotency-Key", "-"),
     )
     return json_response(
         {"ok": True, "received": received, "applied": applied, "stale": received - applied}
@@ -105,6 +109,7 @@ def build_app(store: EntityStore, *, max_body_bytes: int) -> web.Application:
     """The receiver's aiohttp application."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
     app[STORE_KEY] = store
+    app[MAX_BODY_KEY] = max_body_bytes
     app.router.add_post("/api/ingest/sync", ingest_sync)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

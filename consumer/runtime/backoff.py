@@ -34,7 +34,8 @@ class Backoff:
             self._first_failure = time.monotonic()
         base = min(self.maximum, self.initial * (2 ** min(self.attempts, 62)))
         self.attempts += 1
-        return max(0.0, base * (1 + random.uniform(-self.jitter, self.jitter)))
+        delay: float = base * (1 + random.uniform(-self.jitter, self.jitter))
+        return max(0.0, delay)
 
     @property
     def expired(self) -> bool:

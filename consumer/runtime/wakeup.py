@@ -5,6 +5,7 @@ reads on start, after every reconnect, and on the poll timer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -39,10 +40,8 @@ class NotifyListener:
         """Stop listening and close the connection."""
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
 
     async def _run(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -128,8 +129,12 @@ class ConsumerRuntime:
                     announced = True
             except psycopg.Error as exc:
                 delay = backoff.next_delay()
-                log.warning("consumer %s: database unreachable (%s); retrying in %.1fs",
-                            self.consumer, _one_line(exc), delay)
+                log.warning(
+                    "consumer %s: database unreachable (%s); retrying in %.1fs",
+                    self.consumer,
+                    _one_line(exc),
+                    delay,
+                )
             await self._sleep_unless_stopped(delay)
         return False
 
@@ -158,10 +163,13 @@ class ConsumerRuntime:
         while True:
             await asyncio.sleep(self.config.standby_interval)
             try:
-                await asyncio.wait_for(self.lock.check(), timeout=max(2.0, self.config.standby_interval))
+                await asyncio.wait_for(
+                    self.lock.check(), timeout=max(2.0, self.config.standby_interval)
+                )
             except (psycopg.Error, TimeoutError) as exc:
-                log.warning("consumer %s: leader lock session lost (%s)", self.consumer,
-                            _one_line(exc))
+                log.warning(
+                    "consumer %s: leader lock session lost (%s)", self.consumer, _one_line(exc)
+                )
                 self._lost.set()
                 return
 
@@ -173,7 +181,9 @@ class ConsumerRuntime:
         while not self.stop_event.is_set():
             self._raise_if_lost()
             listener.event.clear()
-            result = await self._with_db_retry(lambda: self.store.read_batch(position, limit))
+            result = await self._with_db_retry(
+                functools.partial(self.store.read_batch, position, limit)
+            )
             if result.batch is not None:
                 delivered = await self._deliver(result.batch, epoch)
                 if not delivered:  # stopping, batch abandoned
@@ -203,7 +213,11 @@ class ConsumerRuntime:
                     delay = max(delay, exc.retry_after)
                 log.warning(
                     "consumer %s: delivery of seq %s failed (attempt %d): %s; retrying in %.1fs",
-                    self.consumer, batch.seq_range, backoff.attempts, exc, delay,
+                    self.consumer,
+                    batch.seq_range,
+                    backoff.attempts,
+                    exc,
+                    delay,
                 )
                 with contextlib.suppress(psycopg.Error):
                     await self.store.record_error(self.consumer, epoch, str(exc))
@@ -213,7 +227,10 @@ class ConsumerRuntime:
             await self._commit(batch, epoch)
             log.debug(
                 "consumer %s: delivered %d events seq %s in %.1f ms",
-                self.consumer, batch.count, batch.seq_range, (time.monotonic() - started) * 1000,
+                self.consumer,
+                batch.count,
+                batch.seq_range,
+                (time.monotonic() - started) * 1000,
             )
             return True
 
@@ -233,8 +250,11 @@ class ConsumerRuntime:
                 done, _ = await asyncio.wait({task}, timeout=self.config.shutdown_timeout)
                 if not done:
                     task.cancel()
-                    log.info("consumer %s: abandoned batch seq %s on shutdown", self.consumer,
-                             batch.seq_range)
+                    log.info(
+                        "consumer %s: abandoned batch seq %s on shutdown",
+                        self.consumer,
+                        batch.seq_range,
+                    )
                     return False
             task.result()
             return True
@@ -297,8 +317,12 @@ class ConsumerRuntime:
                     raise
                 self._raise_if_lost()
                 delay = backoff.next_delay()
-                log.warning("consumer %s: database error (%s); retrying in %.1fs",
-                            self.consumer, _one_line(exc), delay)
+                log.warning(
+                    "consumer %s: database error (%s); retrying in %.1fs",
+                    self.consumer,
+                    _one_line(exc),
+                    delay,
+                )
                 await self._sleep_unless_stopped(delay)
 
     async def _sleep_unless_stopped(self, delay: float) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 
 from consumer.events import Batch, DeliveryError
@@ -45,5 +43,5 @@ class FrontendSyncSink:
         try:
             async with self._session.post(self.url, data=body, headers=headers) as response:
                 await raise_for_outcome(response, f"POST {self.url}")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise DeliveryError(f"POST {self.url} failed: {type(exc).__name__}: {exc}") from exc

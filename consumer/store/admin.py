@@ -81,11 +81,17 @@ async def plan_reset(
     shift_by: int | None = None,
 ) -> ResetPlan:
     """Work out a reset without changing anything (exactly one target option must be given)."""
-    chosen = [to_earliest, to_latest, to_seq is not None, to_datetime is not None,
-              shift_by is not None]
+    chosen = [
+        to_earliest,
+        to_latest,
+        to_seq is not None,
+        to_datetime is not None,
+        shift_by is not None,
+    ]
     if sum(chosen) != 1:
-        raise AdminError("give exactly one of --to-earliest, --to-latest, --to-seq, "
-                         "--to-datetime, --shift-by")
+        raise AdminError(
+            "give exactly one of --to-earliest, --to-latest, --to-seq, --to-datetime, --shift-by"
+        )
     rows = await consumer_status(conn, consumer)
     if not rows:
         known = [r["consumer"] for r in await consumer_status(conn)]
@@ -100,11 +106,11 @@ async def plan_reset(
     elif to_seq is not None:
         if to_seq < 0:
             raise AdminError("--to-seq must be 0 or more")
-        target = await _position(await conn.execute(query("position_before_seq"),
-                                                    {"seq": to_seq}))
+        target = await _position(await conn.execute(query("position_before_seq"), {"seq": to_seq}))
     elif to_datetime is not None:
-        target = await _position(await conn.execute(query("position_before_time"),
-                                                    {"at": to_datetime}))
+        target = await _position(
+            await conn.execute(query("position_before_time"), {"at": to_datetime})
+        )
     else:
         assert shift_by is not None
         target = await _shift(conn, current, shift_by)

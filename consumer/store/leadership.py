@@ -8,6 +8,7 @@ still hold a pool connection, so every offset write also names the leader epoch
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import psycopg
@@ -53,10 +54,8 @@ class LeaderLock:
     async def release(self) -> None:
         """Give the lock up (closing the session releases it in any case)."""
         if self._conn is not None and not self._conn.closed:
-            try:
+            with contextlib.suppress(psycopg.Error):
                 await self._conn.execute(query("unlock_leader"), {"consumer": self._consumer})
-            except psycopg.Error:
-                pass
         await self._drop()
 
     async def _drop(self) -> None:

@@ -132,4 +132,5 @@ class OutboxStore:
             await cur.execute(
                 "SELECT * FROM sync.consumer_offsets WHERE consumer = %s", (consumer,)
             )
-            return await cur.fetchone()
+            row: dict[str, Any] | None = await cur.fetchone()
+            return row

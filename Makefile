@@ -1,0 +1,40 @@
+# serversync: `make demo` runs the whole path end to end, `make test` the whole suite.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint format bench bench-quick clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/serversync demo
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check consumer tests bench
+	$(BIN)/ruff format --check consumer tests bench
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+format: $(STAMP)
+	$(BIN)/ruff format consumer tests bench
+	$(BIN)/ruff check --fix consumer tests bench
+
+bench: $(STAMP)
+	$(BIN)/python -m bench all
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench all --quick
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

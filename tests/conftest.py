@@ -1,0 +1,217 @@
+"""Test harness: a real PostgreSQL (local, given, or a private cluster), one template database
+per schema built once per session, a fresh copy of it for every test, and a real receiver on
+loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from aiohttp import web
+from psycopg import sql
+
+from consumer import migrations
+from consumer.db import with_dbname
+from consumer.devdb import PrivateCluster, Server, locate_server, start_private_cluster
+from consumer.receiver.app import build_app
+from consumer.receiver.store import EntityStore
+from consumer.runtime.worker import ConsumerRuntime
+from consumer.settings import SyncSettings
+from consumer.wiring import consumer_runtime, open_pool
+
+BACKEND_COMPONENTS = ["backend", "voicebot"]
+RECEIVER_COMPONENTS = ["receiver"]
+
+
+async def wait_until(
+    condition: Callable[[], Awaitable[bool]] | Callable[[], bool],
+    *,
+    timeout: float = 10.0,
+    interval: float = 0.02,
+    what: str = "condition",
+) -> None:
+    """Poll `condition` until it holds; fail the test when the deadline passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+class Databases:
+    """Creates per-test databases from session templates on one server."""
+
+    def __init__(self, server_dsn: str) -> None:
+        self.server_dsn = server_dsn
+        self.tag = f"{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        self.templates: dict[str, str] = {}
+        self.created: list[str] = []
+
+    def _admin(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.server_dsn, autocommit=True)
+
+    def template(self, kind: str) -> str:
+        """The template database of `kind` ("backend" or "receiver"), built on first use."""
+        if kind not in self.templates:
+            name = f"ss_tpl_{kind}_{self.tag}"
+            with self._admin() as conn:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            components = BACKEND_COMPONENTS if kind == "backend" else RECEIVER_COMPONENTS
+
+            async def migrate() -> None:
+                conn = await psycopg.AsyncConnection.connect(
+                    with_dbname(self.server_dsn, name), autocommit=True
+                )
+                async with conn:
+                    await migrations.migrate(conn, components)
+
+            asyncio.run(migrate())
+            self.templates[kind] = name
+        return self.templates[kind]
+
+    def create(self, kind: str) -> str:
+        """A fresh database copied from the template; returns its DSN."""
+        template = self.template(kind)
+        name = f"ss_{kind}_{uuid.uuid4().hex[:10]}"
+        with self._admin() as conn:
+            conn.execute(
+                sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                    sql.Identifier(name), sql.Identifier(template)
+                )
+            )
+        self.created.append(name)
+        return with_dbname(self.server_dsn, name)
+
+    def drop_all(self) -> None:
+        """Drop every database this object made, templates last."""
+        with self._admin() as conn:
+            for name in [*self.created, *self.templates.values()]:
+                conn.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+                )
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Server]:
+    """The shared server: DATABASE_URL, a local one, or a private cluster."""
+    server = locate_server()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def databases(pg_server: Server) -> Iterator[Databases]:
+    """Per-test databases on the shared server."""
+    dbs = Databases(pg_server.dsn)
+    yield dbs
+    dbs.drop_all()
+
+
+@pytest.fixture(scope="session")
+def private_cluster() -> Iterator[PrivateCluster]:
+    """A cluster of our own that tests may stop, restart or break."""
+    cluster = start_private_cluster()
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def private_databases(private_cluster: PrivateCluster) -> Iterator[Databases]:
+    """Per-test databases on the private cluster."""
+    dbs = Databases(private_cluster.dsn)
+    yield dbs
+    with contextlib.suppress(psycopg.Error):
+        dbs.drop_all()
+
+
+@pytest.fixture
+def backend_dsn(databases: Databases) -> str:
+    """A fresh backend database: the outbox, the relay and the voicebot tables."""
+    return databases.create("backend")
+
+
+@pytest.fixture
+def receiver_dsn(databases: Databases) -> str:
+    """A fresh receiver database."""
+    return databases.create("receiver")
+
+
+@contextlib.asynccontextmanager
+async def serve_receiver(receiver_dsn: str) -> AsyncIterator[str]:
+    """The reference receiver on a free loopback port; yields its base URL."""
+    async with open_pool(receiver_dsn, "test-ingest", max_size=4) as pool:
+        app = build_app(EntityStore(pool), max_body_bytes=1024 * 1024)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            await runner.cleanup()
+
+
+@pytest.fixture
+async def receiver_url(receiver_dsn: str) -> AsyncIterator[str]:
+    """Base URL of a running reference receiver on its own database."""
+    async with serve_receiver(receiver_dsn) as url:
+        yield url
+
+
+def make_settings(database_url: str, frontend_url: str, **overrides: Any) -> SyncSettings:
+    """Consumer settings for tests: short timers so that tests run fast."""
+    values: dict[str, Any] = {
+        "DATABASE_URL": database_url,
+        "FRONTEND_BASE_URL": frontend_url,
+        "SYNC_POLL_INTERVAL_SEC": 30,
+        "SYNC_BATCH_SIZE": 100,
+        "SYNC_TIMEOUT_SEC": 5,
+        "SYNC_RECHECK_INTERVAL_MS": 50,
+        "SYNC_STANDBY_INTERVAL_SEC": 0.2,
+        "SYNC_RETRY_INITIAL_SEC": 0.05,
+        "SYNC_RETRY_MAX_SEC": 0.5,
+        "SYNC_SHUTDOWN_TIMEOUT_SEC": 2,
+    }
+    values.update(overrides)
+    return SyncSettings(**values)
+
+
+@contextlib.asynccontextmanager
+async def running_consumer(
+    settings: SyncSettings, consumer: str = "frontend-sync", sink: str = "default"
+) -> AsyncIterator[ConsumerRuntime]:
+    """A consumer running in this event loop; stopped (and checked for errors) on exit."""
+    async with consumer_runtime(settings, consumer, sink) as runtime:
+        task = asyncio.create_task(runtime.run())
+        try:
+            yield runtime
+        finally:
+            runtime.request_stop()
+            await asyncio.wait_for(task, timeout=15)
+
+
+async def fetch_all(dsn: str, query: Any, params: Any = None) -> list[tuple[Any, ...]]:
+    """Rows of one query on a short-lived connection."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        cur = await conn.execute(query, params)
+        return await cur.fetchall()
+
+
+async def fetch_value(dsn: str, query: Any, params: Any = None) -> Any:
+    """The first column of the first row of one query."""
+    rows = await fetch_all(dsn, query, params)
+    return rows[0][0] if rows else None

@@ -1,0 +1,129 @@
+"""The relay trigger and the simplest end-to-end path: backend change -> receiver row."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer, wait_until
+
+
+async def test_insert_update_delete_are_relayed_in_order(backend_dsn: str) -> None:
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        cur = await conn.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) VALUES ('0901', '03') "
+            "RETURNING id::text"
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        call_id = row[0]
+        await conn.execute("UPDATE call_logs SET status = 'done' WHERE id = %s", (call_id,))
+        await conn.execute("DELETE FROM call_logs WHERE id = %s", (call_id,))
+    rows = await fetch_all(
+        backend_dsn,
+        "SELECT op, entity_type, entity_id, payload->>'status' "
+        "FROM sync.events_outbox ORDER BY seq",
+    )
+    assert rows == [
+        ("upsert", "call_log", call_id, "in_progress"),
+        ("upsert", "call_log", call_id, "done"),
+        ("delete", "call_log", call_id, "done"),
+    ]
+
+
+async def test_rolled_back_changes_leave_no_event(backend_dsn: str) -> None:
+    conn = await psycopg.AsyncConnection.connect(backend_dsn)
+    async with conn:
+        await conn.execute("INSERT INTO call_logs (caller_number, callee_number) VALUES ('1', '2')")
+        await conn.rollback()
+    assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.events_outbox") == 0
+
+
+async def test_key_change_emits_delete_of_old_key(backend_dsn: str) -> None:
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        await conn.execute(
+            "INSERT INTO registered_numbers (id, phone_number) "
+            "VALUES ('00000000-0000-0000-0000-000000000001', '0311')"
+        )
+        await conn.execute(
+            "UPDATE registered_numbers SET id = '00000000-0000-0000-0000-000000000002'"
+        )
+    rows = await fetch_all(backend_dsn, "SELECT op, entity_id FROM sync.events_outbox ORDER BY seq")
+    assert rows == [
+        ("upsert", "00000000-0000-0000-0000-000000000001"),
+        ("delete", "00000000-0000-0000-0000-000000000001"),
+        ("upsert", "00000000-0000-0000-0000-000000000002"),
+    ]
+
+
+async def test_one_notify_per_transaction_and_no_event_data(backend_dsn: str) -> None:
+    listener = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with listener:
+        await listener.execute("LISTEN sync_outbox")
+        writer = await psycopg.AsyncConnection.connect(backend_dsn)
+        async with writer:
+            await writer.execute(
+                "INSERT INTO call_logs (caller_number, callee_number) "
+                "SELECT 'c' || g, 'x' FROM generate_series(1, 50) g"
+            )
+            await writer.commit()
+        seen = [n async for n in listener.notifies(timeout=0.5)]
+    assert len(seen) == 1
+    assert seen[0].channel == "sync_outbox"
+    assert seen[0].payload == ""
+
+
+async def test_track_custom_table_with_own_key_and_untrack(backend_dsn: str) -> None:
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        await conn.execute("CREATE TABLE widgets (code text PRIMARY KEY, colour text)")
+        await conn.execute("SELECT sync.track('public.widgets', 'widget', 'code')")
+        await conn.execute("INSERT INTO widgets VALUES ('w-1', 'red')")
+        await conn.execute("SELECT sync.untrack('public.widgets')")
+        await conn.execute("INSERT INTO widgets VALUES ('w-2', 'blue')")
+        with pytest.raises(psycopg.errors.UndefinedColumn, match="has no column"):
+            await conn.execute("SELECT sync.track('public.widgets', 'widget', 'nope')")
+    rows = await fetch_all(
+        backend_dsn, "SELECT entity_type, entity_id, payload FROM sync.events_outbox"
+    )
+    assert rows == [("widget", "w-1", {"code": "w-1", "colour": "red"})]
+
+
+async def test_changes_reach_the_receiver(
+    backend_dsn: str, receiver_dsn: str, receiver_url: str
+) -> None:
+    settings = make_settings(backend_dsn, receiver_url)
+    async with running_consumer(settings) as runtime:
+        conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+        async with conn:
+            await conn.execute(
+                "INSERT INTO call_logs (caller_number, callee_number) "
+                "SELECT 'c' || g, 'x' FROM generate_series(1, 250) g"
+            )
+            await conn.execute("UPDATE call_logs SET status = 'done' WHERE caller_number = 'c1'")
+            await conn.execute("DELETE FROM call_logs WHERE caller_number = 'c2'")
+
+        async def all_delivered() -> bool:
+            return runtime.stats.delivered_events == 252
+
+        await wait_until(all_delivered, what="252 events delivered")
+        # Woken by NOTIFY, not by the 30 s poll timer.
+        assert runtime.stats.poll_wakeups == 0
+    live = await fetch_all(
+        receiver_dsn,
+        "SELECT payload->>'caller_number', payload->>'status' FROM ingest.live_entities "
+        "WHERE entity_type = 'call_log' ORDER BY 1",
+    )
+    assert len(live) == 249
+    assert ("c1", "done") in live
+    assert all(caller != "c2" for caller, _ in live)
+    tombstone = await fetch_all(
+        receiver_dsn, "SELECT deleted, payload FROM ingest.entities WHERE deleted"
+    )
+    assert tombstone == [(True, None)]
+    offset = await fetch_value(
+        backend_dsn, "SELECT last_seq FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
+    )
+    assert offset == 252
