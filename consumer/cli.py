@@ -220,7 +220,7 @@ async def _status(settings: SyncSettings, args: argparse.Namespace) -> int:
                     str(r["backlog"]),
                     _age(r["lag_seconds"]),
                     str(r["delivered_total"]),
-                    (r["last_error"] or "-")[:60],
+                    " ".join((r["last_error"] or "-").split())[:60],
                 ]
                 for r in rows
             ],

@@ -7,6 +7,8 @@ from typing import Literal, TypeVar
 from pydantic import AliasChoices, Field, HttpUrl, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from consumer.telemetry import mask_secrets
+
 __all__ = ["ConfigError", "ReceiverSettings", "SyncSettings", "load"]
 
 
@@ -39,6 +41,9 @@ class SyncSettings(_Base):
     )
     batch_size: int = Field(100, ge=1, le=50_000, validation_alias="SYNC_BATCH_SIZE")
     timeout_sec: float = Field(30.0, gt=0, le=3600, validation_alias="SYNC_TIMEOUT_SEC")
+    # LISTEN for wake-ups; off, the consumer relies on the poll timer alone (e.g. behind a
+    # transaction-pooling PgBouncer, where LISTEN does not work).
+    listen: bool = Field(True, validation_alias="SYNC_LISTEN")
     # While an older open transaction holds the read horizon back, re-check this often.
     recheck_interval_ms: int = Field(
         100, ge=5, le=5000, validation_alias="SYNC_RECHECK_INTERVAL_MS"
@@ -81,7 +86,8 @@ def _one_line(exc: ValidationError, model: type[BaseSettings]) -> str:
     if error["type"] == "missing":
         return f"{name} is not set"
     given = error.get("input")
-    return f"{name}={given!s}: {error['msg']}"
+    # The value is echoed to help, but a URL may carry credentials: mask them.
+    return mask_secrets(f"{name}={given!s}: {error['msg']}")
 
 
 S = TypeVar("S", bound=BaseSettings)

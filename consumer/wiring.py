@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 from aiohttp import web
+from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from consumer import migrations
@@ -20,7 +21,7 @@ from consumer.receiver.app import build_app
 from consumer.receiver.store import EntityStore
 from consumer.runtime.wakeup import NotifyListener
 from consumer.runtime.worker import ConsumerRuntime, RuntimeConfig
-from consumer.settings import ReceiverSettings, SyncSettings
+from consumer.settings import ConfigError, ReceiverSettings, SyncSettings
 from consumer.sinks.frontend_sync import FrontendSyncSink
 from consumer.sinks.null import NullSink
 from consumer.store.leadership import LeaderLock
@@ -38,6 +39,14 @@ class StartupError(Exception):
 
 async def connect_or_explain(dsn: str, role: str, what: str) -> psycopg.AsyncConnection[Any]:
     """An autocommit connection, or a StartupError naming the variable and the masked DSN."""
+    try:
+        conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        # libpq's parse errors quote the offending piece of the string: it may be the password.
+        raise ConfigError(
+            f"{what} is not a valid connection string (key=value pairs, or a postgresql:// URL "
+            "with special characters percent-encoded)"
+        ) from None
     try:
         return await connect(dsn, role)
     except psycopg.Error as exc:
@@ -119,7 +128,7 @@ async def consumer_runtime(
             store=OutboxStore(pool),
             sink=make_sink(consumer, settings, sink),
             lock=LeaderLock(dsn, consumer),
-            listener=NotifyListener(dsn, consumer),
+            listener=NotifyListener(dsn, consumer) if settings.listen else None,
             config=runtime_config(settings),
         )
 

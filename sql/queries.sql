@@ -154,44 +154,46 @@ LIMIT %(limit)s;
 
 -- name: position_latest
 -- The end of what is final now: rows of still-open transactions are delivered after a reset.
+-- The position queries ORDER BY o.txid: a bare `txid` there names the text output column, and
+-- as text '10000' sorts before '9999'.
 SELECT txid::text, seq
-FROM sync.events_outbox
+FROM sync.events_outbox o
 WHERE txid < pg_snapshot_xmin(pg_current_snapshot())
-ORDER BY txid DESC, seq DESC
+ORDER BY o.txid DESC, o.seq DESC
 LIMIT 1;
 
 -- name: position_before_seq
 -- Just before the first event (in delivery order) with seq > N: every such event is replayed.
 SELECT txid::text, seq - 1
-FROM sync.events_outbox
+FROM sync.events_outbox o
 WHERE seq > %(seq)s
-ORDER BY txid, seq
+ORDER BY o.txid, o.seq
 LIMIT 1;
 
 -- name: position_before_time
 -- Just before the first event (in delivery order) created at or after the given time.
 SELECT txid::text, seq - 1
-FROM sync.events_outbox
+FROM sync.events_outbox o
 WHERE created_at >= %(at)s
-ORDER BY txid, seq
+ORDER BY o.txid, o.seq
 LIMIT 1;
 
 -- name: position_forward
 -- The N-th final event after a position (N >= 1).
 SELECT txid::text, seq
-FROM sync.events_outbox
+FROM sync.events_outbox o
 WHERE (txid, seq) > (%(txid)s::xid8, %(seq)s::bigint)
   AND txid < pg_snapshot_xmin(pg_current_snapshot())
-ORDER BY txid, seq
+ORDER BY o.txid, o.seq
 OFFSET %(n)s - 1
 LIMIT 1;
 
 -- name: position_backward
 -- The position N events back from a position (N >= 1): the event before the N-th one back.
 SELECT txid::text, seq
-FROM sync.events_outbox
+FROM sync.events_outbox o
 WHERE (txid, seq) <= (%(txid)s::xid8, %(seq)s::bigint)
-ORDER BY txid DESC, seq DESC
+ORDER BY o.txid DESC, o.seq DESC
 OFFSET %(n)s
 LIMIT 1;
 

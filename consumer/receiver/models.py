@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 ENTITY_TYPE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$"
 
@@ -18,9 +18,19 @@ class Entry(BaseModel):
     entity_type: str = Field(alias="entityType", pattern=ENTITY_TYPE_PATTERN)
     entity_id: str = Field(alias="entityId", min_length=1, max_length=512)
     op: Literal["upsert", "delete"]
-    seq: int = Field(ge=1, strict=True)
+    # A bigint in the receiver's store (and in the outbox): larger values are a bad field.
+    seq: int = Field(ge=1, le=2**63 - 1, strict=True)
     payload: dict[str, Any]
     created_at: datetime | None = Field(None, alias="createdAt")
+
+    @field_validator("created_at", mode="before")
+    @classmethod
+    def _timestamp_text(cls, value: object) -> object:
+        # The store reads createdAt as timestamptz text: a number (which pydantic would take as
+        # epoch seconds) must be refused here, naming the field, not later by PostgreSQL.
+        if value is not None and not isinstance(value, str):
+            raise ValueError("must be an RFC 3339 timestamp string")
+        return value
 
 
 class IngestRequest(BaseModel):

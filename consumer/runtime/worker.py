@@ -72,7 +72,7 @@ class ConsumerRuntime:
         store: OutboxStore,
         sink: Sink,
         lock: LeaderLock,
-        listener: NotifyListener,
+        listener: NotifyListener | None,
         config: RuntimeConfig,
     ) -> None:
         self.consumer = consumer
@@ -110,7 +110,8 @@ class ConsumerRuntime:
                     await self.lock.release()
         finally:
             await self.sink.close()
-            await self.listener.stop()
+            if self.listener is not None:
+                await self.listener.stop()
             await self.lock.release()
 
     # -- leadership ---------------------------------------------------------------------------
@@ -145,18 +146,22 @@ class ConsumerRuntime:
         self.stats.is_leader, self.stats.epoch, self.stats.position = True, epoch, position
         self.stats.takeovers += 1
         log.info("consumer %s: leading (epoch %d) from position %s", self.consumer, epoch, position)
-        await self.listener.start()
+        if self.listener is not None:
+            await self.listener.start()
         watchdog = asyncio.create_task(self._watch_lock(), name=f"watch:{self.consumer}")
         try:
             await self._drain_loop(epoch, position)
             with contextlib.suppress(psycopg.Error):
-                await self.store.release_leadership(self.consumer, epoch)
+                await self._bounded_by_stop(
+                    lambda: self.store.release_leadership(self.consumer, epoch)
+                )
             log.info("consumer %s: stopped at position %s", self.consumer, self.stats.position)
         finally:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
-            await self.listener.stop()
+            if self.listener is not None:
+                await self.listener.stop()
 
     async def _watch_lock(self) -> None:
         """Notice a lost lock session within about one standby interval."""
@@ -177,10 +182,10 @@ class ConsumerRuntime:
 
     async def _drain_loop(self, epoch: int, position: Position) -> None:
         limit = self.config.batch_size
-        listener = self.listener
+        wakeup = self.listener.event if self.listener is not None else asyncio.Event()
         while not self.stop_event.is_set():
             self._raise_if_lost()
-            listener.event.clear()
+            wakeup.clear()
             result = await self._with_db_retry(
                 functools.partial(self.store.read_batch, position, limit)
             )
@@ -194,7 +199,7 @@ class ConsumerRuntime:
             timeout = (
                 self.config.recheck_interval if result.held_back else self.config.poll_interval
             )
-            reason = await self._wait_for_work(timeout, held_back=result.held_back)
+            reason = await self._wait_for_work(wakeup, timeout, held_back=result.held_back)
             self._count_wakeup(reason)
 
     async def _deliver(self, batch: Batch, epoch: int) -> bool:
@@ -220,7 +225,9 @@ class ConsumerRuntime:
                     delay,
                 )
                 with contextlib.suppress(psycopg.Error):
-                    await self.store.record_error(self.consumer, epoch, str(exc))
+                    await self._bounded_by_stop(
+                        functools.partial(self.store.record_error, self.consumer, epoch, str(exc))
+                    )
                 if not await self._sleep_unless_stopped(delay):
                     return False
                 continue
@@ -275,9 +282,11 @@ class ConsumerRuntime:
         self.stats.delivered_batches += 1
         self.stats.last_batch_at = time.time()
 
-    async def _wait_for_work(self, timeout: float, *, held_back: bool) -> str:
+    async def _wait_for_work(
+        self, wakeup: asyncio.Event, timeout: float, *, held_back: bool
+    ) -> str:
         waiters = {
-            asyncio.create_task(self.listener.event.wait()): "notify",
+            asyncio.create_task(wakeup.wait()): "notify",
             asyncio.create_task(self.stop_event.wait()): "stop",
             asyncio.create_task(self._lost.wait()): "lost",
         }
@@ -311,7 +320,7 @@ class ConsumerRuntime:
         backoff = Backoff(0.2, 10.0)
         while True:
             try:
-                return await op()
+                return await self._bounded_by_stop(op)
             except psycopg.OperationalError as exc:
                 if self.stop_event.is_set():
                     raise
@@ -324,6 +333,26 @@ class ConsumerRuntime:
                     delay,
                 )
                 await self._sleep_unless_stopped(delay)
+
+    async def _bounded_by_stop(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run one database step; once a stop is requested, give it at most the shutdown timeout.
+
+        While the database is down the pool waits up to its own timeout (30 s) for a connection;
+        a SIGTERM must not wait that long (systemd's TimeoutStopSec is 30 s too).
+        """
+        task = asyncio.ensure_future(op())
+        stop = asyncio.ensure_future(self.stop_event.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait({task}, timeout=self.config.shutdown_timeout)
+            if not task.done():
+                raise psycopg.OperationalError("database step abandoned on shutdown")
+            return task.result()
+        finally:
+            for pending in (task, stop):
+                if not pending.done():
+                    pending.cancel()
 
     async def _sleep_unless_stopped(self, delay: float) -> bool:
         """Sleep `delay` seconds; False if a stop came first."""

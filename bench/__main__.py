@@ -1,0 +1,162 @@
+"""`python -m bench [drain|latency|producer|all] [--quick]` and `python -m bench compare A B`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import drain, latency, producer, report
+from bench.harness import bench_server, execute, fresh_databases, machine, produce_calls, progress
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("drain", "latency", "producer", "all"):
+        p = sub.add_parser(name, help=f"run the {name} benchmark" if name != "all" else "run all")
+        p.add_argument("--quick", action="store_true", help="small sizes: a smoke run (< 2 min)")
+        p.add_argument("--events", type=int, help="drain backlog size (default 1,000,000)")
+        p.add_argument("--batch-size", type=int, default=1000)
+        p.add_argument("--rate", type=float, default=1000.0, help="latency: events/s")
+        p.add_argument("--seconds", type=float, help="latency and producer duration per mode")
+        p.add_argument(
+            "--poll-interval",
+            type=float,
+            default=1.0,
+            help="latency: poll interval of the poll-only run",
+        )
+        p.add_argument("--name", help="result file name (default: timestamp)")
+    p = sub.add_parser("compare", help="print the differences between two result files")
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    return parser
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    quick: bool = args.quick
+    events = args.events or (100_000 if quick else 1_000_000)
+    seconds = args.seconds or (3.0 if quick else 10.0)
+    name = args.name or time.strftime("%Y%m%d-%H%M%S") + ("-quick" if quick else "")
+    result: dict[str, Any] = {
+        "name": name,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "parameters": {
+            "events": events,
+            "batch_size": args.batch_size,
+            "rate": args.rate,
+            "seconds": seconds,
+            "poll_interval": args.poll_interval,
+            "quick": quick,
+        },
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
+    progress(f"logs in {workdir}")
+    with bench_server() as server:
+        env = await fresh_databases(server, workdir)
+        result["machine"]["postgres"] = (await execute(env.backend, "SHOW server_version"))[0][0]
+        if args.command in ("drain", "all"):
+            progress(f"drain: producing {events:,} events through the relay trigger")
+            await produce_calls(env.backend, events)
+            await execute(env.backend, "VACUUM ANALYZE sync.events_outbox")
+            figures: dict[str, Any] = {"events": events, "batch_size": args.batch_size}
+            progress("drain: (a) in-database ceiling")
+            figures["in_database"] = await drain.in_database_ceiling(env)
+            progress("drain: (b) plain Python loop")
+            figures["python_loop"] = await drain.python_loop(env, args.batch_size)
+            timeout = max(120.0, events / 5_000)
+            progress("drain: frontend-sync through HTTP into the receiver")
+            figures["product_http"] = await drain.product(env, args.batch_size, "http", timeout)
+            progress("drain: the runtime alone (null sink)")
+            figures["product_null"] = await drain.product(env, args.batch_size, "null", timeout)
+            http = figures["product_http"]["events_per_sec"]
+            figures["ratios"] = {
+                "http_to_in_database": round(http / figures["in_database"]["events_per_sec"], 3),
+                "http_to_python_loop": round(http / figures["python_loop"]["events_per_sec"], 3),
+                "null_to_in_database": round(
+                    figures["product_null"]["events_per_sec"]
+                    / figures["in_database"]["events_per_sec"],
+                    3,
+                ),
+            }
+            result["drain"] = figures
+        if args.command in ("latency", "all"):
+            runs = []
+            for listen in (True, False):
+                progress(
+                    f"latency: {args.rate:.0f} events/s for {seconds}s, "
+                    f"{'NOTIFY' if listen else 'polling only'}"
+                )
+                runs.append(
+                    await latency.run_latency(
+                        env,
+                        rate=args.rate,
+                        seconds=seconds,
+                        listen=listen,
+                        poll_interval=300.0 if listen else args.poll_interval,
+                    )
+                )
+            result["latency"] = runs
+        if args.command in ("producer", "all"):
+            result["producer"] = await producer.run_producer(env, seconds=max(2, round(seconds)))
+    result["targets"] = report.targets(result)
+    path = report.write(result, name)
+    progress(f"wrote {path}")
+    return result
+
+
+def _summary(result: dict[str, Any]) -> str:
+    lines = []
+    if "drain" in result:
+        d = result["drain"]
+        lines.append(f"drain of {d['events']:,} events, batch {d['batch_size']}:")
+        for key, label in (
+            ("in_database", "in-database ceiling"),
+            ("python_loop", "Python loop"),
+            ("product_http", "frontend-sync (HTTP)"),
+            ("product_null", "runtime, null sink"),
+        ):
+            f = d[key]
+            extra = ""
+            if "consumer_peak_rss_mb" in f:
+                extra = f"  consumer peak RSS {f['consumer_peak_rss_mb']} MB"
+                if f.get("receiver_peak_rss_mb"):
+                    extra += f", receiver {f['receiver_peak_rss_mb']} MB"
+            if "batches_per_sec" in f:
+                extra = f"  {f['batches_per_sec']:,.0f} batches/s" + extra
+            lines.append(f"  {label:24} {f['events_per_sec']:>12,.0f} events/s{extra}")
+        lines.append("  ratios: " + ", ".join(f"{k} {v}" for k, v in d["ratios"].items()))
+    for run in result.get("latency", []):
+        lines.append(
+            f"latency {run['mode']:9} at {run['achieved_rate']:,.0f}/s: p50 {run['p50_ms']} ms, "
+            f"p95 {run['p95_ms']} ms, p99 {run['p99_ms']} ms, max {run['max_ms']} ms"
+        )
+    if "producer" in result:
+        p = result["producer"]
+        lines.append(f"producer cost at {p['clients']} connections (tps, ratio to untracked):")
+        for key, tps in p["tps"].items():
+            lines.append(f"  {key:26} {tps:>10,.0f}  {p['ratio_to_untracked'][key]:.3f}")
+    for key, check in result.get("targets", {}).items():
+        mark = "ok  " if check["met"] else "MISS"
+        lines.append(f"[{mark}] {key}: {check['measured']} (target {check['target']})")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Entry point."""
+    args = _parser().parse_args()
+    if args.command == "compare":
+        print(report.compare(args.a, args.b))
+        return 0
+    result = asyncio.run(_run(args))
+    print(_summary(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

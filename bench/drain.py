@@ -1,0 +1,181 @@
+"""Drain: how fast a backlog of N events empties after an outage, next to two references.
+
+(a) the in-database ceiling: one INSERT ... SELECT ... ON CONFLICT from the outbox into a
+    receiver-shaped table; (b) a plain Python loop (psycopg, batch 1000) reading the outbox and
+    upserting into the receiver's table with executemany, committing an offset per batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from bench.harness import (
+    BenchEnv,
+    execute,
+    ingest_server,
+    outbox_end,
+    peak_rss_mb,
+    progress,
+    start_service,
+    wait_for,
+)
+from consumer.events import Position
+
+RECEIVER_UPSERT = """
+INSERT INTO ingest.entities AS t
+    (entity_type, entity_id, seq, deleted, payload, source_created_at, applied_at)
+VALUES (%s, %s, %s, %s, %s, %s, now())
+ON CONFLICT (entity_type, entity_id) DO UPDATE
+SET seq = EXCLUDED.seq, deleted = EXCLUDED.deleted, payload = EXCLUDED.payload,
+    source_created_at = EXCLUDED.source_created_at, applied_at = EXCLUDED.applied_at
+WHERE t.seq < EXCLUDED.seq
+"""
+
+
+async def in_database_ceiling(env: BenchEnv) -> dict[str, Any]:
+    """Reference (a): the whole outbox into a receiver-shaped table in one statement."""
+    await execute(env.backend, "DROP TABLE IF EXISTS bench_ref_entities")
+    await execute(
+        env.backend,
+        "CREATE TABLE bench_ref_entities (entity_type text, entity_id text, seq bigint NOT NULL,"
+        " deleted boolean NOT NULL, payload jsonb, source_created_at timestamptz,"
+        " applied_at timestamptz NOT NULL, PRIMARY KEY (entity_type, entity_id))",
+    )
+    started = time.perf_counter()
+    rows = await execute(
+        env.backend,
+        "WITH applied AS (INSERT INTO bench_ref_entities AS t SELECT entity_type, entity_id, seq,"
+        " op = 'delete', payload, created_at, now() FROM sync.events_outbox"
+        " ON CONFLICT (entity_type, entity_id) DO UPDATE SET seq = EXCLUDED.seq,"
+        " deleted = EXCLUDED.deleted, payload = EXCLUDED.payload,"
+        " source_created_at = EXCLUDED.source_created_at, applied_at = EXCLUDED.applied_at"
+        " WHERE t.seq < EXCLUDED.seq RETURNING 1) SELECT count(*) FROM applied",
+    )
+    seconds = time.perf_counter() - started
+    await execute(env.backend, "DROP TABLE bench_ref_entities")
+    return {"events": rows[0][0], "seconds": seconds, "events_per_sec": rows[0][0] / seconds}
+
+
+async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
+    """Reference (b): read a batch, executemany into the receiver, commit an offset; repeat."""
+    await execute(env.frontend, "TRUNCATE ingest.entities")
+    await execute(
+        env.backend,
+        "INSERT INTO sync.consumer_offsets (consumer) VALUES ('bench-python-loop')"
+        " ON CONFLICT (consumer) DO UPDATE SET last_txid = '0', last_seq = 0",
+    )
+    source = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
+    target = await psycopg.AsyncConnection.connect(env.frontend)
+    events = batches = 0
+    position = Position.start()
+    async with source, target:
+        started = time.perf_counter()
+        while True:
+            cur = await source.execute(
+                "SELECT o.txid::text, o.seq, o.op, o.entity_type, o.entity_id, o.payload,"
+                " o.created_at FROM sync.events_outbox o WHERE (o.txid, o.seq) > (%s::xid8, %s)"
+                " AND o.txid < pg_snapshot_xmin(pg_current_snapshot())"
+                " ORDER BY o.txid, o.seq LIMIT %s",
+                (str(position.txid), position.seq, batch_size),
+            )
+            rows = await cur.fetchall()
+            if not rows:
+                break
+            async with target.cursor() as wcur:
+                await wcur.executemany(
+                    RECEIVER_UPSERT,
+                    [(r[3], r[4], r[1], r[2] == "delete", Jsonb(r[5]), r[6]) for r in rows],
+                )
+            await target.commit()
+            position = Position(int(rows[-1][0]), rows[-1][1])
+            await source.execute(
+                "UPDATE sync.consumer_offsets SET last_txid = %s::xid8, last_seq = %s,"
+                " updated_at = now() WHERE consumer = 'bench-python-loop'",
+                (str(position.txid), position.seq),
+            )
+            events += len(rows)
+            batches += 1
+        seconds = time.perf_counter() - started
+    return {
+        "events": events,
+        "batches": batches,
+        "seconds": seconds,
+        "events_per_sec": events / seconds,
+    }
+
+
+async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> dict[str, Any]:
+    """`serversync run frontend-sync` draining the whole outbox (through HTTP, or a null sink)."""
+    await execute(env.frontend, "TRUNCATE ingest.entities")
+    await execute(
+        env.backend,
+        "INSERT INTO sync.consumer_offsets (consumer) VALUES ('frontend-sync')"
+        " ON CONFLICT (consumer) DO UPDATE SET last_txid = '0', last_seq = 0,"
+        " delivered_total = 0",
+    )
+    end = await outbox_end(env.backend)
+    total = (await execute(env.backend, "SELECT count(*) FROM sync.events_outbox"))[0][0]
+    async with ingest_server(env) as (url, receiver):
+        consumer = start_service(
+            ["run", "frontend-sync", "--sink", "null" if sink == "null" else "default"],
+            {
+                "DATABASE_URL": env.backend,
+                "FRONTEND_BASE_URL": url,
+                "SYNC_BATCH_SIZE": str(batch_size),
+                "SYNC_LOG_LEVEL": "WARNING",
+            },
+            env.workdir / f"consumer-{sink}.log",
+        )
+        last_report = time.monotonic()
+        try:
+
+            async def drained() -> bool:
+                nonlocal last_report
+                rows = await execute(
+                    env.backend,
+                    "SELECT last_txid::text, last_seq, delivered_total FROM sync.consumer_offsets"
+                    " WHERE consumer = 'frontend-sync'",
+                )
+                if consumer.process.poll() is not None:
+                    raise RuntimeError(f"consumer exited; see {consumer.log}")
+                if time.monotonic() - last_report > 2:
+                    last_report = time.monotonic()
+                    progress(f"  {sink}: {rows[0][2]:,}/{total:,} delivered")
+                return Position(int(rows[0][0]), rows[0][1]) >= end
+
+            await wait_for(drained, timeout=timeout, what=f"the {sink} drain", every=0.02)
+            consumer_rss = peak_rss_mb(consumer.pid)
+            receiver_rss = peak_rss_mb(receiver.pid)
+            # From taking the lead to the last offset commit: process start-up excluded.
+            rows = await execute(
+                env.backend,
+                "SELECT extract(epoch FROM updated_at - leader_since)::float8, delivered_total"
+                " FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'",
+            )
+            seconds, delivered = rows[0]
+        finally:
+            consumer.stop()
+    if sink == "http":
+        applied = (await execute(env.frontend, "SELECT count(*) FROM ingest.entities"))[0][0]
+        distinct = (
+            await execute(
+                env.backend,
+                "SELECT count(DISTINCT (entity_type, entity_id)) FROM sync.events_outbox",
+            )
+        )[0][0]
+        if applied != distinct:
+            raise RuntimeError(f"receiver holds {applied} entities, expected {distinct}")
+    return {
+        "sink": sink,
+        "events": delivered,
+        "seconds": seconds,
+        "events_per_sec": delivered / seconds,
+        "batches_per_sec": math.ceil(delivered / batch_size) / seconds,
+        "consumer_peak_rss_mb": round(consumer_rss, 1),
+        "receiver_peak_rss_mb": round(receiver_rss, 1) if sink == "http" else None,
+    }

@@ -1,0 +1,213 @@
+"""What every benchmark shares: a server, fresh databases, processes, RSS and progress."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psycopg
+from psycopg import sql
+
+from consumer import migrations
+from consumer.db import with_dbname
+from consumer.devdb import Server, free_port, locate_server
+from consumer.events import Position
+
+BACKEND_DB = "serversync_bench_backend"
+FRONTEND_DB = "serversync_bench_frontend"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class BenchEnv:
+    """The server and the two databases of a run."""
+
+    server: Server
+    backend: str
+    frontend: str
+    workdir: Path
+
+
+async def _recreate(server_dsn: str, name: str) -> str:
+    conn = await psycopg.AsyncConnection.connect(server_dsn, autocommit=True)
+    async with conn:
+        await conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return with_dbname(server_dsn, name)
+
+
+async def fresh_databases(server: Server, workdir: Path) -> BenchEnv:
+    """Recreate and migrate the bench's backend and receiver databases."""
+    backend = await _recreate(server.dsn, BACKEND_DB)
+    frontend = await _recreate(server.dsn, FRONTEND_DB)
+    for dsn, components in ((backend, ["backend", "voicebot"]), (frontend, ["receiver"])):
+        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        async with conn:
+            await migrations.migrate(conn, components)
+    return BenchEnv(server, backend, frontend, workdir)
+
+
+@contextlib.contextmanager
+def bench_server() -> Iterator[Server]:
+    """The server to measure on (DATABASE_URL, local, or a private cluster)."""
+    server = locate_server()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+async def execute(dsn: str, statement: Any, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run one statement on a short-lived connection; rows if it returns any."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        cur = await conn.execute(statement, params)
+        return await cur.fetchall() if cur.description else []
+
+
+async def produce_calls(dsn: str, n: int, *, chunk: int = 50_000) -> None:
+    """Write n call_logs through the real relay trigger (about 300 bytes of payload each)."""
+    done = 0
+    started = time.monotonic()
+    while done < n:
+        size = min(chunk, n - done)
+        await execute(
+            dsn,
+            "INSERT INTO call_logs (caller_number, callee_number, status, ended_at, duration_sec,"
+            " summary) SELECT '090' || lpad(g::text, 8, '0'), '0312345678', 'completed', now(),"
+            " g %% 600, 'bench call ' || g || ': the caller asked about opening hours and was"
+            " routed to the announcement' FROM generate_series(%s, %s) g",
+            (done + 1, done + size),
+        )
+        done += size
+        progress(f"produced {done:,}/{n:,} events ({done / (time.monotonic() - started):,.0f}/s)")
+
+
+async def outbox_end(dsn: str) -> Position:
+    """The last position of the outbox."""
+    rows = await execute(
+        dsn,
+        "SELECT o.txid::text, o.seq FROM sync.events_outbox o"
+        " ORDER BY o.txid DESC, o.seq DESC LIMIT 1",
+    )
+    return Position(int(rows[0][0]), rows[0][1]) if rows else Position.start()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set size (VmHWM) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+@dataclass
+class Service:
+    """A serversync process started for a bench."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+        return self.process.pid
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_service(args: list[str], env: dict[str, str], log: Path) -> Service:
+    """`python -m consumer ARGS` with its output in `log`."""
+    with log.open("wb") as handle:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "consumer", "--log-format", "text", *args],
+            env={**os.environ, **env},
+            stdout=handle,
+            stderr=handle,
+        )
+    return Service(process, log)
+
+
+async def wait_for(
+    check: Callable[[], Awaitable[bool]], *, timeout: float, what: str, every: float = 0.01
+) -> None:
+    """Poll until `check` holds, or fail with what was awaited."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(every)
+
+
+@contextlib.asynccontextmanager
+async def ingest_server(env: BenchEnv) -> AsyncIterator[tuple[str, Service]]:
+    """The reference receiver as a process; yields its base URL."""
+    port = free_port()
+    service = start_service(
+        ["ingest-server"],
+        {
+            "FRONTEND_DATABASE_URL": env.frontend,
+            "INGEST_PORT": str(port),
+            "SYNC_LOG_LEVEL": "WARNING",
+        },
+        env.workdir / "ingest-server.log",
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def ready() -> bool:
+                try:
+                    async with http.get(f"{url}/readyz") as response:
+                        return response.status == 200
+                except aiohttp.ClientError:
+                    return False
+
+            await wait_for(ready, timeout=30, what="ingest-server", every=0.05)
+        yield url, service
+    finally:
+        service.stop()
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    git = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "psycopg": psycopg.__version__,
+        "git_ref": git,
+    }

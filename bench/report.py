@@ -1,0 +1,140 @@
+"""Results: the JSON file of a run, its chart, and comparing two runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The goals of issue 3, checked against a run's figures."""
+    checks: dict[str, dict[str, Any]] = {}
+    drain = result.get("drain")
+    if drain:
+        http, loop = drain["product_http"], drain["python_loop"]
+        checks["drain_http_events_per_sec"] = {
+            "target": ">= 60000 and >= the Python loop",
+            "measured": round(http["events_per_sec"]),
+            "met": http["events_per_sec"] >= max(60_000, loop["events_per_sec"]),
+        }
+        checks["drain_null_sink_events_per_sec"] = {
+            "target": ">= 250000",
+            "measured": round(drain["product_null"]["events_per_sec"]),
+            "met": drain["product_null"]["events_per_sec"] >= 250_000,
+        }
+        checks["consumer_peak_rss_mb"] = {
+            "target": "<= 100",
+            "measured": http["consumer_peak_rss_mb"],
+            "met": http["consumer_peak_rss_mb"] <= 100,
+        }
+    for run in result.get("latency", []):
+        if run["mode"] == "notify":
+            checks["latency_p99_ms_notify"] = {
+                "target": "< 10 at 1,000 events/s",
+                "measured": run["p99_ms"],
+                "met": run["p99_ms"] < 10,
+            }
+        else:
+            bound = run["poll_interval_sec"] * 1000 + 100
+            checks["latency_max_ms_poll_only"] = {
+                "target": f"<= poll interval ({run['poll_interval_sec']}s) + 100 ms",
+                "measured": run["max_ms"],
+                "met": run["max_ms"] <= bound,
+            }
+    producer = result.get("producer")
+    if producer:
+        ratio = producer["ratio_to_untracked"]["tracked_wakeups_on"]
+        checks["producer_tracked_wakeups_on_ratio"] = {
+            "target": ">= 0.75",
+            "measured": ratio,
+            "met": ratio >= 0.75,
+        }
+    return checks
+
+
+def write(result: dict[str, Any], name: str) -> Path:
+    """Save the run as JSON (and a PNG chart beside it when matplotlib is installed)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+    chart(result, path.with_suffix(".png"))
+    return path
+
+
+def chart(result: dict[str, Any], path: Path) -> bool:
+    """Bar charts of the run's figures; False when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional (the bench extra)
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return False
+    panels = [p for p in ("drain", "latency", "producer") if result.get(p)]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "drain":
+            d = result["drain"]
+            labels = ["in-database", "python loop", "frontend-sync\n(HTTP)", "runtime\n(null sink)"]
+            keys = ["in_database", "python_loop", "product_http", "product_null"]
+            values = [d[k]["events_per_sec"] / 1000 for k in keys]
+            ax.bar(labels, values, color=["#888", "#bbb", "#2a7", "#27a"])
+            ax.set_ylabel("thousand events/s")
+            ax.set_title(f"drain of {d['events']:,} events (batch {d['batch_size']})")
+        elif panel == "latency":
+            for run in result["latency"]:
+                keys = ["p50_ms", "p95_ms", "p99_ms", "max_ms"]
+                ax.plot(keys, [max(run[k], 0.01) for k in keys], marker="o", label=run["mode"])
+            ax.set_yscale("log")
+            ax.set_ylabel("commit -> applied (ms)")
+            ax.set_title("latency")
+            ax.legend()
+        else:
+            ratios = result["producer"]["ratio_to_untracked"]
+            ax.bar([k.replace("_", "\n") for k in ratios], list(ratios.values()), color="#a72")
+            ax.axhline(0.75, color="red", linestyle="--", linewidth=1)
+            ax.set_ylabel("tps / untracked tps")
+            ax.set_title(f"producer cost ({result['producer']['clients']} connections)")
+            ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"serversync bench {result.get('name', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, float]:
+    flat: dict[str, float] = {}
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            if key in ("machine", "targets"):
+                continue
+            flat.update(_flatten(inner, f"{prefix}.{key}" if prefix else str(key)))
+    elif isinstance(value, list):
+        for item in value:
+            label = item.get("mode", "") if isinstance(item, dict) else ""
+            flat.update(_flatten(item, f"{prefix}[{label}]"))
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        flat[prefix] = float(value)
+    return flat
+
+
+def compare(a_path: Path, b_path: Path) -> str:
+    """A table of every figure of two runs with the relative change."""
+    a = _flatten(orjson.loads(a_path.read_bytes()))
+    b = _flatten(orjson.loads(b_path.read_bytes()))
+    lines = [f"{'figure':60} {'A':>14} {'B':>14} {'change':>9}"]
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key, math.nan), b.get(key, math.nan)
+        change = (
+            (vb - va) / va * 100 if va and not math.isnan(va) and not math.isnan(vb) else math.nan
+        )
+        lines.append(f"{key:60} {va:14.3f} {vb:14.3f} {change:+8.1f}%")
+    return "\n".join(lines)

@@ -1,0 +1,730 @@
+"""The `serversync` command line, run as a real subprocess: offsets, status, configuration and
+connection errors, and migrations."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+from aiohttp import web
+from psycopg import conninfo
+from psycopg import sql as psql
+
+from consumer import migrations
+from consumer.db import with_dbname
+from consumer.devdb import Server, free_port
+from tests.conftest import (
+    Databases,
+    fetch_all,
+    fetch_value,
+    make_settings,
+    running_consumer,
+    wait_until,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+CONSUMER = "frontend-sync"
+OFFSETS_ROW = "SELECT * FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
+
+
+# -- running the command -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CliResult:
+    """What one `serversync` process did."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+
+def cli_env(**variables: str) -> dict[str, str]:
+    """This process's environment without any serversync setting, plus `variables`."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key != "DATABASE_URL" and not key.startswith(("SYNC_", "FRONTEND_", "INGEST_"))
+    }
+    env.update(variables)
+    return env
+
+
+async def start_cli(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    """Start `serversync ARGS...` (as `python -m consumer`)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "consumer",
+        *args,
+        env=env,
+        cwd=ROOT,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def finish(process: asyncio.subprocess.Process, timeout: float = 60.0) -> CliResult:
+    """Wait for a started command; kill it and fail if it outlives `timeout`."""
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout=timeout)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"serversync still running after {timeout}s") from None
+    assert process.returncode is not None
+    return CliResult(process.returncode, out.decode(), err.decode())
+
+
+async def run_cli(*args: str, env: dict[str, str], timeout: float = 60.0) -> CliResult:
+    """Run `serversync ARGS...` to the end."""
+    return await finish(await start_cli(*args, env=env), timeout)
+
+
+async def run_many(*commands: list[str], env: dict[str, str]) -> list[CliResult]:
+    """Several independent commands at once (each run is a second of imports)."""
+    return list(await asyncio.gather(*(run_cli(*command, env=env) for command in commands)))
+
+
+def assert_ok(result: CliResult) -> None:
+    """Exit 0, no traceback."""
+    assert result.code == 0, result
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+def assert_one_line_error(result: CliResult, code: int, *fragments: str) -> str:
+    """Exit `code`; stderr is one `serversync: ...` line holding every fragment; no traceback."""
+    assert result.code == code, result
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("serversync: "), line
+    for fragment in fragments:
+        assert fragment in line, line
+    assert result.stdout == ""
+    return line
+
+
+# -- a scripted receiver that records what it is sent -----------------------------------------
+
+
+@dataclass
+class Recorder:
+    """The seqs of every entry received, in arrival order."""
+
+    seqs: list[int] = field(default_factory=list)
+
+    async def ingest(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.seqs.extend(int(e["seq"]) for e in body["entries"])
+        return web.json_response({"ok": True})
+
+
+@contextlib.asynccontextmanager
+async def recording_receiver() -> AsyncIterator[tuple[str, Recorder]]:
+    """A receiver on a free loopback port that accepts every batch and records its seqs."""
+    recorder = Recorder()
+    app = web.Application()
+    app.router.add_post("/api/ingest/sync", recorder.ingest)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", recorder
+    finally:
+        await runner.cleanup()
+
+
+# -- backend data --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Seeded:
+    """Events in the outbox, in delivery order."""
+
+    seqs: list[int]
+    created: list[datetime]
+
+
+async def add_events(dsn: str, n: int, tag: str = "e", *, wait_final: bool = True) -> None:
+    """`n` call logs, each inserted in its own transaction (one event each); returns once every
+    event is final (no older transaction anywhere on the shared server is still open)."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        for i in range(n):
+            await conn.execute(
+                "INSERT INTO call_logs (caller_number, callee_number) VALUES (%s, 'x')",
+                (f"{tag}{i}",),
+            )
+
+    async def final() -> bool:
+        held = await fetch_value(
+            dsn,
+            "SELECT count(*) FROM sync.events_outbox "
+            "WHERE txid >= pg_snapshot_xmin(pg_current_snapshot())",
+        )
+        return bool(held == 0)
+
+    # Resets only move over final events; other tests' open transactions must not skew counts.
+    if wait_final:
+        await wait_until(final, timeout=30, what="the new events to become final")
+
+
+async def seed(dsn: str, n: int = 10) -> Seeded:
+    """`n` events; their seqs and creation times in delivery order."""
+    await add_events(dsn, n)
+    rows = await fetch_all(dsn, "SELECT seq, created_at FROM sync.events_outbox ORDER BY txid, seq")
+    seeded = Seeded([r[0] for r in rows], [r[1] for r in rows])
+    assert seeded.seqs == sorted(seeded.seqs)
+    assert all(a < b for a, b in zip(seeded.created, seeded.created[1:], strict=False))
+    return seeded
+
+
+async def register(dsn: str, consumer: str = CONSUMER) -> None:
+    """A consumer at the start of the outbox, as a first `serversync run` leaves it."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        await conn.execute("INSERT INTO sync.consumer_offsets (consumer) VALUES (%s)", (consumer,))
+
+
+async def deliver_all(dsn: str, expected: int) -> list[int]:
+    """Run the consumer until `expected` events are delivered; the seqs it sent."""
+    async with recording_receiver() as (url, recorder):
+        async with running_consumer(make_settings(dsn, url)) as runtime:
+
+            async def done() -> bool:
+                return runtime.stats.delivered_events == expected
+
+            await wait_until(done, what=f"{expected} events delivered")
+        return recorder.seqs
+
+
+async def delivered_after_restart(dsn: str) -> list[int]:
+    """Start the consumer, add one sentinel event, and return every seq delivered up to it.
+
+    Delivery is in order, so the list is exactly what the consumer replays plus the sentinel.
+    """
+    async with recording_receiver() as (url, recorder):
+        async with running_consumer(make_settings(dsn, url)) as runtime:
+            await add_events(dsn, 1, tag="sentinel")
+            sentinel = await fetch_value(dsn, "SELECT max(seq) FROM sync.events_outbox")
+
+            async def committed() -> bool:
+                position = runtime.stats.position
+                return position is not None and position.seq == sentinel
+
+            await wait_until(committed, what="the sentinel event delivered")
+        assert recorder.seqs[-1] == sentinel
+        return recorder.seqs
+
+
+async def offsets_row(dsn: str) -> tuple[Any, ...]:
+    rows = await fetch_all(dsn, OFFSETS_ROW)
+    assert len(rows) == 1
+    return rows[0]
+
+
+async def position_text(dsn: str) -> str:
+    """The consumer's stored position as the CLI prints it: txid/seq."""
+    return str(
+        await fetch_value(
+            dsn,
+            "SELECT last_txid::text || '/' || last_seq FROM sync.consumer_offsets "
+            "WHERE consumer = 'frontend-sync'",
+        )
+    )
+
+
+# -- offsets reset -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResetCase:
+    """A reset: where the consumer stands first, the options, and what it then delivers."""
+
+    caught_up: bool  # True: everything delivered first; False: registered, nothing delivered
+    args: Callable[[Seeded], list[str]]
+    redelivered: Callable[[Seeded], list[int]]
+    effect: str
+    dry_run_first: bool = False  # also check that --dry-run promises this and changes nothing
+
+
+RESET_CASES = [
+    pytest.param(
+        ResetCase(
+            True,
+            lambda s: ["--to-earliest"],
+            lambda s: s.seqs,
+            "10 event(s) will be replayed",
+            dry_run_first=True,
+        ),
+        id="to-earliest",
+    ),
+    pytest.param(
+        ResetCase(False, lambda s: ["--to-latest"], lambda s: [], "10 event(s) will be skipped"),
+        id="to-latest",
+    ),
+    pytest.param(
+        ResetCase(
+            True,
+            lambda s: ["--to-seq", str(s.seqs[3])],
+            lambda s: s.seqs[4:],
+            "6 event(s) will be replayed",
+        ),
+        id="to-seq",
+    ),
+    pytest.param(
+        ResetCase(
+            True,
+            lambda s: ["--to-datetime", s.created[5].isoformat()],
+            lambda s: s.seqs[5:],
+            "5 event(s) will be replayed",
+            dry_run_first=True,
+        ),
+        id="to-datetime",
+    ),
+    pytest.param(
+        ResetCase(
+            True,
+            lambda s: ["--shift-by", "-3"],
+            lambda s: s.seqs[7:],
+            "3 event(s) will be replayed",
+        ),
+        id="shift-back",
+    ),
+    pytest.param(
+        ResetCase(
+            False,
+            lambda s: ["--shift-by", "4"],
+            lambda s: s.seqs[4:],
+            "4 event(s) will be skipped",
+            dry_run_first=True,
+        ),
+        id="shift-forward",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", RESET_CASES)
+async def test_reset_moves_the_offset_and_the_consumer_redelivers_exactly_that(
+    backend_dsn: str, case: ResetCase
+) -> None:
+    seeded = await seed(backend_dsn)
+    if case.caught_up:
+        assert await deliver_all(backend_dsn, 10) == seeded.seqs
+    else:
+        await register(backend_dsn)
+    env = cli_env(DATABASE_URL=backend_dsn)
+    args = ["offsets", "reset", CONSUMER, *case.args(seeded)]
+    before = await offsets_row(backend_dsn)
+    current = await position_text(backend_dsn)
+
+    if case.dry_run_first:
+        dry = await run_cli(*args, "--dry-run", env=env)
+        assert_ok(dry)
+        assert re.fullmatch(
+            rf"{CONSUMER}: would move from {current} to \d+/\d+; "
+            rf"{re.escape(case.effect)} \(dry run, nothing changed\)\n",
+            dry.stdout,
+        ), dry.stdout
+        assert await offsets_row(backend_dsn) == before
+
+    done = await run_cli(*args, env=env)
+    assert_ok(done)
+    target = await position_text(backend_dsn)
+    assert done.stdout == f"{CONSUMER}: moved from {current} to {target}; {case.effect}\n"
+    if case.dry_run_first:
+        # The dry run promised the very same move.
+        assert dry.stdout.startswith(done.stdout.strip().replace("moved", "would move", 1))
+    assert await offsets_row(backend_dsn) != before
+
+    sent = await delivered_after_restart(backend_dsn)
+    assert sent[:-1] == case.redelivered(seeded)
+
+
+async def test_reset_is_refused_while_the_consumer_runs(backend_dsn: str) -> None:
+    await seed(backend_dsn, 3)
+    env = cli_env(DATABASE_URL=backend_dsn)
+    async with (
+        recording_receiver() as (url, _),
+        running_consumer(make_settings(backend_dsn, url)) as runtime,
+    ):
+
+        async def caught_up() -> bool:
+            return runtime.stats.is_leader and runtime.stats.delivered_events == 3
+
+        await wait_until(caught_up, what="the consumer leading and caught up")
+        before = await offsets_row(backend_dsn)
+        refused = await run_cli("offsets", "reset", CONSUMER, "--to-earliest", env=env)
+        assert_one_line_error(
+            refused,
+            1,
+            f"consumer {CONSUMER} is running",
+            f"pid {os.getpid()} on {socket.gethostname()}",
+            "stop it first",
+        )
+        assert await offsets_row(backend_dsn) == before
+    # Stopped: the same command goes through.
+    result = await run_cli("offsets", "reset", CONSUMER, "--to-earliest", env=env)
+    assert_ok(result)
+    assert "3 event(s) will be replayed" in result.stdout
+
+
+async def test_reset_of_an_unknown_consumer_names_the_known_ones(backend_dsn: str) -> None:
+    await register(backend_dsn)
+    env = cli_env(DATABASE_URL=backend_dsn)
+    result = await run_cli("offsets", "reset", "no-such", "--to-earliest", env=env)
+    assert_one_line_error(result, 1, "no consumer named 'no-such'", f"known: {CONSUMER}")
+
+
+async def test_reset_rejects_a_datetime_without_offset(backend_dsn: str) -> None:
+    await seed(backend_dsn, 2)
+    await register(backend_dsn)
+    before = await offsets_row(backend_dsn)
+    cases = {
+        "2026-01-01T00:00:00": "needs a UTC offset",
+        "yesterday": "not an ISO 8601 date-time",
+    }
+    results = await run_many(
+        *(["offsets", "reset", CONSUMER, "--to-datetime", value] for value in cases),
+        env=cli_env(DATABASE_URL=backend_dsn),
+    )
+    for (value, message), result in zip(cases.items(), results, strict=True):
+        assert result.code == 2, result
+        assert "Traceback" not in result.stderr
+        # argparse: the usage line, then one error line naming the option and the value.
+        error = result.stderr.strip().splitlines()[-1]
+        assert "--to-datetime" in error
+        assert repr(value) in error
+        assert message in error
+    assert await offsets_row(backend_dsn) == before
+
+
+# -- offsets list and status ---------------------------------------------------------------------
+
+
+def table(stdout: str) -> tuple[list[str], dict[str, list[str]]]:
+    """A CLI table: its header and its rows by first column (cells split on whitespace)."""
+    lines = stdout.strip().splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[1:] if line.strip()}
+    return lines[0].split(), rows
+
+
+async def test_offsets_list_as_table_and_json(backend_dsn: str) -> None:
+    await register(backend_dsn, "audit")
+    await seed(backend_dsn, 5)
+    await deliver_all(backend_dsn, 5)
+    await add_events(backend_dsn, 2, tag="late")
+    position = await position_text(backend_dsn)
+    env = cli_env(DATABASE_URL=backend_dsn)
+
+    listed, as_json = await run_many(["offsets", "list"], ["offsets", "list", "--json"], env=env)
+    assert_ok(listed)
+    header, rows = table(listed.stdout)
+    assert header == ["CONSUMER", "LAST_SEQ", "POSITION", "BACKLOG", "UPDATED_AT", "RUNNING"]
+    assert list(rows) == ["audit", CONSUMER]
+    audit, sync = rows["audit"], rows[CONSUMER]
+    assert (audit[1], audit[2], audit[3], audit[5]) == ("0", "0/0", "7", "no")
+    assert (sync[1], sync[2], sync[3], sync[5]) == (position.split("/")[1], position, "2", "no")
+
+    assert_ok(as_json)
+    data = orjson.loads(as_json.stdout)
+    assert [r["consumer"] for r in data] == ["audit", CONSUMER]
+    assert data[1]["backlog"] == 2
+    assert data[1]["delivered_total"] == 5
+    assert f"{data[1]['last_txid']}/{data[1]['last_seq']}" == position
+    assert data[0]["backlog"] == 7
+    assert all(r["running"] is False for r in data)
+
+
+async def test_status_shows_backlog_lag_and_leader(backend_dsn: str) -> None:
+    await seed(backend_dsn, 4)
+    env = cli_env(DATABASE_URL=backend_dsn)
+    async with (
+        recording_receiver() as (url, _),
+        running_consumer(make_settings(backend_dsn, url)) as runtime,
+    ):
+
+        async def caught_up() -> bool:
+            return runtime.stats.is_leader and runtime.stats.delivered_events == 4
+
+        await wait_until(caught_up, what="the consumer leading and caught up")
+        running, text = await run_many(["status", "--json"], ["status"], env=env)
+    assert_ok(running)
+    (row,) = orjson.loads(running.stdout)["consumers"]
+    assert row["consumer"] == CONSUMER
+    assert row["running"] is True
+    assert (row["leader_host"], row["leader_pid"]) == (socket.gethostname(), os.getpid())
+    assert (row["backlog"], row["lag_seconds"], row["delivered_total"]) == (0, None, 4)
+
+    assert_ok(text)
+    header, rows = table(text.stdout)
+    assert header == [
+        "CONSUMER",
+        "LEADER",
+        "LAST_SEQ",
+        "BACKLOG",
+        "LAG",
+        "DELIVERED",
+        "LAST_ERROR",
+    ]
+    last_seq = (await position_text(backend_dsn)).split("/")[1]
+    assert rows[CONSUMER][1:4] == [f"{socket.gethostname()}/{os.getpid()}", last_seq, "0"]
+
+    # Stopped, with three events waiting.
+    await add_events(backend_dsn, 3, tag="later")
+    stopped, unknown = await run_many(
+        ["status", "--json", "--consumer", CONSUMER], ["status", "--consumer", "nope"], env=env
+    )
+    assert_ok(stopped)
+    (row,) = orjson.loads(stopped.stdout)["consumers"]
+    assert row["running"] is False
+    assert row["leader_pid"] is None
+    assert row["backlog"] == 3
+    assert 0 < row["lag_seconds"] < 60
+    assert_one_line_error(unknown, 1, "no consumer named 'nope'")
+
+
+async def test_status_names_the_open_transaction_holding_the_horizon(backend_dsn: str) -> None:
+    await register(backend_dsn)
+    env = cli_env(DATABASE_URL=backend_dsn)
+    holder = await psycopg.AsyncConnection.connect(backend_dsn, application_name="ss-test-holder")
+    async with holder:
+        # An open transaction that holds an xid; everything committed after it waits behind it.
+        await holder.execute("SELECT pg_current_xact_id()")
+        holder_pid = holder.info.backend_pid
+        await add_events(backend_dsn, 1, tag="held", wait_final=False)
+        outputs: list[CliResult] = []
+
+        async def holder_listed() -> bool:
+            # Status lists the oldest open transactions of the whole server: while other tests
+            # hold older ones, the holder may not be among them yet.
+            outputs[:] = await run_many(["status"], ["status", "--json"], env=env)
+            for result in outputs:
+                assert_ok(result)
+            blockers = orjson.loads(outputs[1].stdout)["horizon"]["blockers"]
+            return f"\n{holder_pid} " in outputs[0].stdout and any(
+                b["pid"] == holder_pid for b in blockers
+            )
+
+        await wait_until(holder_listed, timeout=60, what="status listing the holder")
+        await holder.rollback()
+
+    text, as_json = outputs
+    assert "1 committed event(s) are held back" in text.stdout
+    lines = text.stdout.splitlines()
+    header, rows = table("\n".join(lines[[line.split()[:1] for line in lines].index(["PID"]) :]))
+    assert header[:6] == ["PID", "DATABASE", "USER", "APPLICATION", "STATE", "XACT_AGE"]
+    line = " ".join(rows[str(holder_pid)])
+    assert "ss-test-holder idle in transaction" in line
+    assert str(conninfo.conninfo_to_dict(backend_dsn)["dbname"]) in line
+    assert re.search(r"idle in transaction \d+\.\d[smh]", line), line
+
+    horizon = orjson.loads(as_json.stdout)["horizon"]
+    assert horizon["held_back_events"] == 1
+    assert horizon["oldest_held_back_seconds"] >= 0
+    (mine,) = [b for b in horizon["blockers"] if b["pid"] == holder_pid]
+    assert mine["state"] == "idle in transaction"
+    assert mine["application_name"] == "ss-test-holder"
+    assert mine["xact_age_seconds"] > 0
+
+
+# -- configuration and connection errors ---------------------------------------------------------
+
+
+# (command, variables to set or, with None, to remove, what the error line must say)
+BAD_SETTINGS: list[tuple[list[str], dict[str, str | None], list[str]]] = [
+    (["run", CONSUMER], {"SYNC_BATCH_SIZE": "abc"}, ["SYNC_BATCH_SIZE=abc", "integer"]),
+    (["run", CONSUMER], {"SYNC_BATCH_SIZE": "0"}, ["SYNC_BATCH_SIZE=0", "greater than or equal"]),
+    (["run", CONSUMER], {"FRONTEND_BASE_URL": "nope"}, ["FRONTEND_BASE_URL=nope", "URL"]),
+    (
+        ["run", CONSUMER],
+        {"FRONTEND_BASE_URL": "https://sync:s3cret@example.com:99999/"},
+        ["FRONTEND_BASE_URL=https://sync:***@example.com:99999/", "port"],
+    ),
+    (["status"], {"DATABASE_URL": None}, ["DATABASE_URL is not set"]),
+    (["ingest-server"], {}, ["FRONTEND_DATABASE_URL is not set"]),
+]
+
+
+async def test_a_bad_setting_is_one_line_naming_the_variable_and_exit_2(backend_dsn: str) -> None:
+    async def attempt(command: list[str], variables: dict[str, str | None]) -> CliResult:
+        env = cli_env(DATABASE_URL=backend_dsn)
+        for name, value in variables.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
+        # Were the setting accepted, `run` would keep running: the timeout fails the test.
+        return await run_cli(*command, env=env)
+
+    results = await asyncio.gather(*(attempt(c, v) for c, v, _ in BAD_SETTINGS))
+    for (_, _, fragments), result in zip(BAD_SETTINGS, results, strict=True):
+        line = assert_one_line_error(result, 2, "configuration error", *fragments)
+        assert "s3cret" not in line
+
+
+async def test_a_wrong_database_url_is_one_line_with_the_password_masked() -> None:
+    hidden = "S3cr%t:p@ss/word"
+    dsn = conninfo.make_conninfo(
+        host="127.0.0.1", port=free_port(), user="app", dbname="backend", password=hidden
+    )
+    url = f"postgresql://app:S3cr%25t%3Ap%40ss%2Fword@127.0.0.1:{free_port()}/backend"
+    # Not parseable: libpq's own message would quote the piece after the space.
+    garbled = ["host=127.0.0.1 password=S3cr p@ss dbname=backend"]
+    results = await asyncio.gather(
+        *(run_cli("run", CONSUMER, env=cli_env(DATABASE_URL=u)) for u in (dsn, url, *garbled))
+    )
+    unreachable, invalid = results[:2], results[2:]
+    lines = [
+        assert_one_line_error(
+            result, 1, "cannot connect to DATABASE_URL", "password=***", "Connection refused"
+        )
+        for result in unreachable
+    ]
+    lines += [
+        assert_one_line_error(
+            result, 2, "configuration error: DATABASE_URL is not a valid connection string"
+        )
+        for result in invalid
+    ]
+    for line in lines:
+        for secret in ("S3cr", "p@ss", "p%40ss"):
+            assert secret not in line, line
+
+
+async def test_a_missing_database_is_one_line_naming_it_without_the_password(
+    pg_server: Server,
+) -> None:
+    params = conninfo.conninfo_to_dict(pg_server.dsn)
+    password = str(params.get("password") or "Wr0ngButHidden")
+    dsn = conninfo.make_conninfo(pg_server.dsn, dbname="ss_no_such_db", password=password)
+    result = await run_cli("offsets", "list", env=cli_env(DATABASE_URL=dsn))
+    line = assert_one_line_error(
+        result, 1, "cannot connect to DATABASE_URL", "dbname=ss_no_such_db", "password=***"
+    )
+    assert password not in line
+
+
+# -- migrations ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def empty_dsn(databases: Databases) -> str:
+    """A brand-new database without any migration (dropped with the session's databases)."""
+    name = f"ss_empty_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(databases.server_dsn, autocommit=True) as conn:
+        conn.execute(psql.SQL("CREATE DATABASE {}").format(psql.Identifier(name)))
+    databases.created.append(name)
+    return with_dbname(databases.server_dsn, name)
+
+
+def expected_migrations(components: list[str]) -> list[tuple[str, str]]:
+    return [(m.component, m.version) for c in components for m in migrations.available(c)]
+
+
+def applied_lines(components: list[str]) -> list[str]:
+    return [
+        f"applied {m.component}/{m.version}_{m.name}"
+        for c in components
+        for m in migrations.available(c)
+    ]
+
+
+MIGRATIONS_TABLE = (
+    "SELECT component, version, name, checksum, applied_at FROM sync.schema_migrations "
+    "ORDER BY component, version"
+)
+
+
+async def test_commands_against_an_unmigrated_database_say_to_migrate(empty_dsn: str) -> None:
+    env = cli_env(DATABASE_URL=empty_dsn)
+    run, status = await run_many(["run", CONSUMER], ["status"], env=env)
+    assert_one_line_error(run, 1, "DATABASE_URL lacks", "0001_outbox", "run `serversync migrate`")
+    assert_one_line_error(status, 1, "DATABASE_URL lacks", "run `serversync migrate`")
+
+
+async def test_migrate_twice_is_a_no_op_the_second_time(empty_dsn: str) -> None:
+    env = cli_env(DATABASE_URL=empty_dsn)
+    components = ["backend", "voicebot"]
+    first = await run_cli("migrate", env=env)
+    assert_ok(first)
+    assert first.stdout.splitlines() == applied_lines(components)
+    recorded = await fetch_all(empty_dsn, MIGRATIONS_TABLE)
+    assert [(r[0], r[1]) for r in recorded] == expected_migrations(components)
+
+    second = await run_cli("migrate", env=env)
+    assert_ok(second)
+    assert second.stdout == "DATABASE_URL: up to date (backend, voicebot)\n"
+    assert await fetch_all(empty_dsn, MIGRATIONS_TABLE) == recorded
+
+
+async def test_concurrent_migrates_apply_every_migration_once(empty_dsn: str) -> None:
+    env = cli_env(DATABASE_URL=empty_dsn)
+    components = ["backend", "voicebot"]
+    gate = await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True)
+    async with gate:
+        # Hold the migration lock so that both processes are surely waiting at the same point,
+        # then let them race.
+        await gate.execute("SELECT pg_advisory_lock(hashtext('serversync.migrate'))")
+        processes = [await start_cli("migrate", env=env) for _ in range(2)]
+
+        async def both_waiting() -> bool:
+            waiting = await fetch_value(
+                empty_dsn,
+                "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
+                "WHERE l.locktype = 'advisory' AND NOT l.granted "
+                "AND d.datname = current_database()",
+            )
+            return bool(waiting == 2)
+
+        await wait_until(both_waiting, timeout=60, what="both migrate processes at the lock")
+        await gate.execute("SELECT pg_advisory_unlock(hashtext('serversync.migrate'))")
+        results = await asyncio.gather(*(finish(p) for p in processes))
+    for result in results:
+        assert_ok(result)
+    outputs = sorted(r.stdout for r in results)
+    assert outputs == sorted(
+        [
+            "\n".join(applied_lines(components)) + "\n",
+            "DATABASE_URL: up to date (backend, voicebot)\n",
+        ]
+    )
+    recorded = await fetch_all(empty_dsn, MIGRATIONS_TABLE)
+    assert [(r[0], r[1]) for r in recorded] == expected_migrations(components)
+
+
+async def test_migrate_core_only_skips_the_voicebot_tables(empty_dsn: str) -> None:
+    env = cli_env(DATABASE_URL=empty_dsn)
+    core = await run_cli("migrate", "--core-only", env=env)
+    assert_ok(core)
+    assert core.stdout.splitlines() == applied_lines(["backend"])
+    assert await fetch_value(empty_dsn, "SELECT to_regclass('sync.events_outbox')::text") == (
+        "sync.events_outbox"
+    )
+    assert await fetch_value(empty_dsn, "SELECT to_regclass('public.call_logs')") is None
+    assert await fetch_value(empty_dsn, "SELECT count(*) FROM sync.tracked_tables") == 0
+    recorded = await fetch_all(empty_dsn, MIGRATIONS_TABLE)
+    assert [(r[0], r[1]) for r in recorded] == expected_migrations(["backend"])
+
+    # The full migrate later adds just the voicebot part.
+    full = await run_cli("migrate", env=env)
+    assert_ok(full)
+    assert full.stdout.splitlines() == applied_lines(["voicebot"])
+    assert await fetch_value(empty_dsn, "SELECT count(*) FROM sync.tracked_tables") > 0
