@@ -26,14 +26,17 @@ SELECT
     min(b.seq) AS min_seq,
     max(b.seq) AS max_seq,
     min(b.created_at) AS oldest_created_at,
-    convert_to(coalesce(json_agg(json_build_object(
-        'entityType', b.entity_type,
-        'entityId', b.entity_id,
-        'op', b.op,
-        'seq', b.seq,
-        'payload', b.payload,
-        'createdAt', b.created_at
-    ) ORDER BY b.txid, b.seq)::text, '[]'), 'UTF8') AS entries,
+    -- The wire format, built by concatenation: several times cheaper than json_agg over
+    -- json_build_object, and exact: identifiers and ids go through to_json, the payload is
+    -- jsonb's own output, op is constrained to two safe words.
+    convert_to('[' || coalesce(string_agg(
+        '{"entityType":' || to_json(b.entity_type)::text
+        || ',"entityId":' || to_json(b.entity_id)::text
+        || ',"op":"' || b.op
+        || '","seq":' || b.seq
+        || ',"payload":' || b.payload::text
+        || ',"createdAt":' || to_json(b.created_at)::text || '}',
+        ',' ORDER BY b.txid, b.seq), '') || ']', 'UTF8') AS entries,
     (SELECT xmin < xmax FROM horizon) AS held_back
 FROM batch b;
 
@@ -218,3 +221,10 @@ WHERE consumer = %(consumer)s;
 
 -- name: horizon_xmin
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text;
+
+-- name: set_waiting
+-- Tell producers whether this consumer waits for a NOTIFY (see sql/backend/0002).
+INSERT INTO sync.consumer_waits (consumer, waiting, updated_at)
+VALUES (%(consumer)s, %(waiting)s, now())
+ON CONFLICT (consumer) DO UPDATE
+SET waiting = EXCLUDED.waiting, updated_at = EXCLUDED.updated_at;

@@ -162,21 +162,10 @@ def store_of(runtime: ConsumerRuntime) -> WatchedStore:
 
 
 def parked(runtime: ConsumerRuntime) -> bool:
-    """Whether the consumer waits for a wake-up after a read that found nothing and was not held
-    back: its next read then follows a NOTIFY, the poll timer or a stop, nothing else.
-
-    Every read but the first follows a wake-up or a full batch, and the runtime goes from a read
-    straight into its wait without yielding to the event loop. A set listener event is a NOTIFY
-    wake-up that may not be counted yet (the runtime clears the event just before it reads)."""
-    store, stats = store_of(runtime), runtime.stats
-    wakeups = stats.notify_wakeups + stats.poll_wakeups + stats.recheck_wakeups
-    return (
-        not listener_of(runtime).event.is_set()
-        and store.last is not None
-        and store.last.batch is None
-        and not store.last.held_back
-        and store.reads == 1 + wakeups + store.full_reads
-    )
+    """Whether the consumer sleeps after a read that found nothing and was not held back: its
+    next read then follows a NOTIFY, the poll timer or a stop, nothing else. A set listener
+    event is a NOTIFY wake-up that the loop has not acted on yet."""
+    return runtime.stats.sleeping == "wakeup" and not listener_of(runtime).event.is_set()
 
 
 # -- the outbox as the database has it ---------------------------------------------------------

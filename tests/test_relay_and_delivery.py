@@ -58,21 +58,58 @@ async def test_key_change_emits_delete_of_old_key(backend_dsn: str) -> None:
     ]
 
 
-async def test_one_notify_per_transaction_and_no_event_data(backend_dsn: str) -> None:
-    listener = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+async def _notifications(dsn: str, writes: list[str], *, setup: str | None = None) -> list[str]:
+    """Payloads of the sync_outbox notifications that one transaction of `writes` sends."""
+    listener = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
     async with listener:
         await listener.execute("LISTEN sync_outbox")
-        writer = await psycopg.AsyncConnection.connect(backend_dsn)
+        writer = await psycopg.AsyncConnection.connect(dsn)
         async with writer:
-            await writer.execute(
-                "INSERT INTO call_logs (caller_number, callee_number) "
-                "SELECT 'c' || g, 'x' FROM generate_series(1, 50) g"
-            )
+            if setup:
+                await writer.execute(setup.encode())
+            for statement in writes:
+                await writer.execute(statement.encode())
             await writer.commit()
-        seen = [n async for n in listener.notifies(timeout=0.5)]
-    assert len(seen) == 1
-    assert seen[0].channel == "sync_outbox"
-    assert seen[0].payload == ""
+        return [n.payload async for n in listener.notifies(timeout=0.3)]
+
+
+MANY_ROWS = (
+    "INSERT INTO call_logs (caller_number, callee_number) "
+    "SELECT 'c' || g, 'x' FROM generate_series(1, 50) g"
+)
+WAITING = (
+    "INSERT INTO sync.consumer_waits (consumer, waiting) VALUES ('frontend-sync', true) RETURNING 1"
+)
+
+
+async def test_one_notify_per_transaction_and_no_event_data(backend_dsn: str) -> None:
+    await fetch_all(backend_dsn, WAITING)
+    assert await _notifications(backend_dsn, [MANY_ROWS, MANY_ROWS]) == [""]
+
+
+async def test_no_notify_while_no_consumer_waits(backend_dsn: str) -> None:
+    assert await _notifications(backend_dsn, [MANY_ROWS]) == []
+    await fetch_all(
+        backend_dsn,
+        "INSERT INTO sync.consumer_waits (consumer, waiting) VALUES ('frontend-sync', false) "
+        "RETURNING 1",
+    )
+    assert await _notifications(backend_dsn, [MANY_ROWS]) == []
+
+
+async def test_notify_mode_setting_overrides_the_policy(backend_dsn: str) -> None:
+    assert await _notifications(backend_dsn, [MANY_ROWS], setup="SET sync.notify = 'always'") == [
+        ""
+    ]
+    await fetch_all(backend_dsn, WAITING)
+    assert await _notifications(backend_dsn, [MANY_ROWS], setup="SET sync.notify = 'off'") == []
+
+
+async def test_notify_sent_after_a_rolled_back_savepoint(backend_dsn: str) -> None:
+    # The first row's check and its NOTIFY vanish with the savepoint; the next row checks again.
+    await fetch_all(backend_dsn, WAITING)
+    writes = ["SAVEPOINT s", MANY_ROWS, "ROLLBACK TO SAVEPOINT s", MANY_ROWS]
+    assert await _notifications(backend_dsn, writes) == [""]
 
 
 async def test_track_custom_table_with_own_key_and_untrack(backend_dsn: str) -> None:

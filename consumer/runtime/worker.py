@@ -22,7 +22,7 @@ from consumer.events import Batch, DeliveryError, Position, Sink
 from consumer.runtime.backoff import Backoff
 from consumer.runtime.wakeup import NotifyListener
 from consumer.store.leadership import LeaderLock
-from consumer.store.outbox import FencedError, OutboxStore
+from consumer.store.outbox import FencedError, OutboxStore, ReadResult
 
 log = logging.getLogger("serversync.runtime")
 T = TypeVar("T")
@@ -60,6 +60,9 @@ class RuntimeStats:
     recheck_wakeups: int = 0
     takeovers: int = 0
     last_batch_at: float | None = None
+    # While the loop sleeps: "wakeup" (nothing to read; a NOTIFY or the poll timer ends it) or
+    # "recheck" (an older open transaction holds the horizon back); None while it works.
+    sleeping: str | None = None
 
 
 class ConsumerRuntime:
@@ -107,12 +110,24 @@ class ConsumerRuntime:
                     log.info("consumer %s: database unreachable while stopping", self.consumer)
                 finally:
                     self.stats.is_leader = False
-                    await self.lock.release()
+                    await self._teardown("releasing the leader lock", self.lock.release)
         finally:
-            await self.sink.close()
+            await self._teardown("closing the sink", self.sink.close)
             if self.listener is not None:
-                await self.listener.stop()
-            await self.lock.release()
+                await self._teardown("stopping the listener", self.listener.stop)
+            await self._teardown("releasing the leader lock", self.lock.release)
+
+    async def _teardown(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
+        """A clean-up step that may not hold up an exit: at most the shutdown timeout."""
+        try:
+            await asyncio.wait_for(step(), timeout=self.config.shutdown_timeout)
+        except TimeoutError:
+            log.warning(
+                "consumer %s: %s took over %.1fs; going on",
+                self.consumer,
+                what,
+                self.config.shutdown_timeout,
+            )
 
     # -- leadership ---------------------------------------------------------------------------
 
@@ -181,26 +196,81 @@ class ConsumerRuntime:
     # -- the loop -----------------------------------------------------------------------------
 
     async def _drain_loop(self, epoch: int, position: Position) -> None:
+        """Read, deliver, commit; after an empty read, announce that we wait, then sleep.
+
+        While a full batch is being delivered the next one is already read (pipelining). The
+        relay sends NOTIFY only while a consumer is marked waiting (sql/backend/0002): we mark
+        ourselves waiting after an empty read and read once more before sleeping, and unmark
+        once reads come back non-empty twice in a row, so a busy consumer costs producers no
+        NOTIFY.
+        """
         limit = self.config.batch_size
+        listening = self.listener is not None
         wakeup = self.listener.event if self.listener is not None else asyncio.Event()
-        while not self.stop_event.is_set():
-            self._raise_if_lost()
-            wakeup.clear()
-            result = await self._with_db_retry(
-                functools.partial(self.store.read_batch, position, limit)
+        reconnects = self.listener.reconnects if self.listener is not None else 0
+        waiting = False
+        if listening:
+            await self._with_db_retry(
+                functools.partial(self.store.set_waiting, self.consumer, False)
             )
-            if result.batch is not None:
-                delivered = await self._deliver(result.batch, epoch)
-                if not delivered:  # stopping, batch abandoned
-                    return
-                position = result.batch.end
-                if result.batch.count == limit:
+        previous_empty = True
+        prefetch: asyncio.Task[ReadResult] | None = None
+        try:
+            while not self.stop_event.is_set():
+                self._raise_if_lost()
+                if self.listener is not None and self.listener.reconnects != reconnects:
+                    # The server may have restarted and lost the unlogged waiting flags.
+                    reconnects, waiting = self.listener.reconnects, False
+                result = await self._next_read(prefetch, position, limit, wakeup)
+                prefetch = None
+                batch = result.batch
+                if batch is None:
+                    if listening and not waiting:
+                        await self._with_db_retry(
+                            functools.partial(self.store.set_waiting, self.consumer, True)
+                        )
+                        waiting = previous_empty = True
+                        continue  # read once more: a commit may have raced the announcement
+                    previous_empty = True
+                    timeout = (
+                        self.config.recheck_interval
+                        if result.held_back
+                        else self.config.poll_interval
+                    )
+                    reason = await self._wait_for_work(wakeup, timeout, held_back=result.held_back)
+                    self._count_wakeup(reason)
                     continue
-            timeout = (
-                self.config.recheck_interval if result.held_back else self.config.poll_interval
-            )
-            reason = await self._wait_for_work(wakeup, timeout, held_back=result.held_back)
-            self._count_wakeup(reason)
+                if batch.count == limit:
+                    prefetch = asyncio.create_task(self.store.read_batch(batch.end, limit))
+                if waiting and not previous_empty:
+                    await self._with_db_retry(
+                        functools.partial(self.store.set_waiting, self.consumer, False)
+                    )
+                    waiting = False
+                previous_empty = False
+                if not await self._deliver(batch, epoch):  # stopping, batch abandoned
+                    return
+                position = batch.end
+        finally:
+            if prefetch is not None:
+                prefetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                    await prefetch
+
+    async def _next_read(
+        self,
+        prefetch: asyncio.Task[ReadResult] | None,
+        position: Position,
+        limit: int,
+        wakeup: asyncio.Event,
+    ) -> ReadResult:
+        """The prefetched read when there is one, else a fresh read (with database retries)."""
+        if prefetch is not None:
+            with contextlib.suppress(psycopg.OperationalError):
+                return await prefetch
+        # A NOTIFY that arrives from here on must wake the next wait.
+        wakeup.clear()
+        return await self._with_db_retry(functools.partial(self.store.read_batch, position, limit))
 
     async def _deliver(self, batch: Batch, epoch: int) -> bool:
         """Deliver until it succeeds, then commit. False if stopped before the batch was done."""
@@ -285,6 +355,7 @@ class ConsumerRuntime:
     async def _wait_for_work(
         self, wakeup: asyncio.Event, timeout: float, *, held_back: bool
     ) -> str:
+        self.stats.sleeping = "recheck" if held_back else "wakeup"
         waiters = {
             asyncio.create_task(wakeup.wait()): "notify",
             asyncio.create_task(self.stop_event.wait()): "stop",
@@ -295,6 +366,7 @@ class ConsumerRuntime:
                 waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
+            self.stats.sleeping = None
             for waiter in waiters:
                 waiter.cancel()
         if not done:

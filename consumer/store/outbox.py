@@ -114,6 +114,13 @@ class OutboxStore:
             if cur.rowcount != 1:
                 raise FencedError(f"consumer {consumer}: epoch {epoch} was fenced off")
 
+    async def set_waiting(self, consumer: str, waiting: bool) -> None:
+        """Mark whether this consumer sleeps until a NOTIFY (producers notify only then)."""
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                query("set_waiting"), {"consumer": consumer, "waiting": waiting}, prepare=True
+            )
+
     async def record_error(self, consumer: str, epoch: int, error: str) -> None:
         """Keep the last delivery error for `serversync status`."""
         async with self._pool.connection() as conn:
