@@ -31,6 +31,11 @@ def _parser() -> argparse.ArgumentParser:
             help="latency: poll interval of the poll-only run",
         )
         p.add_argument("--name", help="result file name (default: timestamp)")
+        p.add_argument(
+            "--private",
+            action="store_true",
+            help="measure on a private throwaway cluster, not the local server",
+        )
     p = sub.add_parser("compare", help="print the differences between two result files")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
@@ -53,11 +58,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": seconds,
             "poll_interval": args.poll_interval,
             "quick": quick,
+            "server": "private cluster" if args.private else "DATABASE_URL or local",
         },
     }
     workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
     progress(f"logs in {workdir}")
-    with bench_server() as server:
+    with bench_server(args.private) as server:
         env = await fresh_databases(server, workdir)
         result["machine"]["postgres"] = (await execute(env.backend, "SHOW server_version"))[0][0]
         if args.command in ("drain", "all"):

@@ -20,7 +20,7 @@ from psycopg import sql
 
 from consumer import migrations
 from consumer.db import with_dbname
-from consumer.devdb import Server, free_port, locate_server
+from consumer.devdb import Server, free_port, locate_server, start_private_cluster
 from consumer.events import Position
 
 BACKEND_DB = "serversync_bench_backend"
@@ -65,9 +65,14 @@ async def fresh_databases(server: Server, workdir: Path) -> BenchEnv:
 
 
 @contextlib.contextmanager
-def bench_server() -> Iterator[Server]:
-    """The server to measure on (DATABASE_URL, local, or a private cluster)."""
-    server = locate_server()
+def bench_server(private: bool = False) -> Iterator[Server]:
+    """The server to measure on: DATABASE_URL, local, or a private cluster (always with
+    `private`: its settings are the same on every machine, see consumer/devdb.py)."""
+    if private:
+        cluster = start_private_cluster()
+        server = Server(cluster.dsn, cluster=cluster)
+    else:
+        server = locate_server()
     try:
         yield server
     finally:
@@ -83,7 +88,7 @@ async def execute(dsn: str, statement: Any, params: Any = None) -> list[tuple[An
 
 
 async def produce_calls(dsn: str, n: int, *, chunk: int = 50_000) -> None:
-    """Write n call_logs through the real relay trigger (about 300 bytes of payload each)."""
+    """Write n call_logs through the real relay trigger (about 330 bytes of payload each)."""
     done = 0
     started = time.monotonic()
     while done < n:
@@ -92,8 +97,7 @@ async def produce_calls(dsn: str, n: int, *, chunk: int = 50_000) -> None:
             dsn,
             "INSERT INTO call_logs (caller_number, callee_number, status, ended_at, duration_sec,"
             " summary) SELECT '090' || lpad(g::text, 8, '0'), '0312345678', 'completed', now(),"
-            " g %% 600, 'bench call ' || g || ': the caller asked about opening hours and was"
-            " routed to the announcement' FROM generate_series(%s, %s) g",
+            " g %% 600, 'bench call ' || g FROM generate_series(%s, %s) g",
             (done + 1, done + size),
         )
         done += size

@@ -105,6 +105,8 @@ async def run_producer(env: BenchEnv, *, seconds: int, clients: int = 8) -> dict
         ("tracked_no_notify", "bench_tracked", "off", False),
         ("tracked_notify_every_tx", "bench_tracked", "always", True),
         ("tracked_wakeups_on", "bench_tracked", "auto", True),
+        # The same consumer load without any NOTIFY: what the consumer's own reads cost.
+        ("tracked_consumer_running_no_notify", "bench_tracked", "off", True),
     ]
     for name, table, notify, with_consumer in modes:
         consumer = None

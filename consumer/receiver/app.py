@@ -68,7 +68,7 @@ async def ingest_sync(request: web.Request) -> web.Response:
     except ValidationError as exc:
         field, message = describe(exc)
         return error_response(422, "INGEST_VALIDATION_ERROR", f"{field}: {message}", field=field)
-    received = len(ingest.entries)
+    received = len(ingest["entries"])
     if received == 0:
         return json_response({"ok": True, "received": 0, "applied": 0, "stale": 0})
     try:

@@ -1,44 +1,57 @@
-"""The wire contract of POST /api/ingest/sync, as validated by the receiver."""
+"""The wire contract of POST /api/ingest/sync, as validated by the receiver.
+
+TypedDicts rather than models, and the payload checked for being an object without being walked:
+validation is the receiver's hottest path (three times cheaper this way, measured with py-spy on
+the drain bench), and the payload goes to PostgreSQL untouched anyway.
+"""
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
+
+# pydantic needs typing_extensions' TypedDict before Python 3.12.
+from typing_extensions import TypedDict
 
 ENTITY_TYPE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$"
+# RFC 3339, as PostgreSQL's timestamptz input reads it; PostgreSQL remains the final judge.
+TIMESTAMP_PATTERN = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|z|[+-]\d{2}(:?\d{2})?)$"
 
 
-class Entry(BaseModel):
+def _json_object(value: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return value
+
+
+class Entry(TypedDict):
     """One change of one entity."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    __pydantic_config__ = ConfigDict(extra="ignore")  # type: ignore[misc]
 
-    entity_type: str = Field(alias="entityType", pattern=ENTITY_TYPE_PATTERN)
-    entity_id: str = Field(alias="entityId", min_length=1, max_length=512)
+    entityType: Annotated[str, StringConstraints(pattern=ENTITY_TYPE_PATTERN)]
+    entityId: Annotated[str, StringConstraints(min_length=1, max_length=512)]
     op: Literal["upsert", "delete"]
     # A bigint in the receiver's store (and in the outbox): larger values are a bad field.
-    seq: int = Field(ge=1, le=2**63 - 1, strict=True)
-    payload: dict[str, Any]
-    created_at: datetime | None = Field(None, alias="createdAt")
-
-    @field_validator("created_at", mode="before")
-    @classmethod
-    def _timestamp_text(cls, value: object) -> object:
-        # The store reads createdAt as timestamptz text: a number (which pydantic would take as
-        # epoch seconds) must be refused here, naming the field, not later by PostgreSQL.
-        if value is not None and not isinstance(value, str):
-            raise ValueError("must be an RFC 3339 timestamp string")
-        return value
+    seq: Annotated[int, Field(ge=1, le=2**63 - 1, strict=True)]
+    payload: Annotated[dict[str, Any], PlainValidator(_json_object)]
+    createdAt: NotRequired[Annotated[str, StringConstraints(pattern=TIMESTAMP_PATTERN)] | None]
 
 
-class IngestRequest(BaseModel):
+class IngestRequest(TypedDict):
     """The body of POST /api/ingest/sync."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    __pydantic_config__ = ConfigDict(extra="ignore")  # type: ignore[misc]
 
-    entries: list[Entry] = Field(max_length=50_000)
+    entries: Annotated[list[Entry], Field(max_length=50_000)]
 
 
 INGEST_REQUEST = TypeAdapter(IngestRequest)

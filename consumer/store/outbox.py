@@ -51,7 +51,11 @@ class OutboxStore:
             cur = await conn.execute(
                 query("read_batch"),
                 {"txid": str(after.txid), "seq": after.seq, "limit": limit},
-                prepare=True,
+                # Not prepared: planning is cheap next to building the batch, and a custom plan
+                # fits the actual position and limit.
+                prepare=False,
+                # Binary results: the batch arrives as raw bytes, not hex-encoded text.
+                binary=True,
             )
             row = await cur.fetchone()
         assert row is not None

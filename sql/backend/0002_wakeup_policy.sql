@@ -20,31 +20,25 @@ CREATE UNLOGGED TABLE sync.consumer_waits (
     updated_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- The relay no longer looks at OLD for every UPDATE: a changed key is rare, so sync.track adds
+-- a second trigger, sync_rekey, that fires only WHEN the key column changed and emits the delete
+-- of the old key (it sorts before sync_relay, so the delete precedes the new key's upsert).
 CREATE OR REPLACE FUNCTION sync.relay() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
     entity_type text := TG_ARGV[0];
     key_column  text := TG_ARGV[1];
-    new_row     jsonb;
-    old_row     jsonb;
+    row_json    jsonb;
     notify_mode text;
 BEGIN
     IF TG_OP = 'DELETE' THEN
-        old_row := to_jsonb(OLD);
+        row_json := to_jsonb(OLD);
         INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-        VALUES ('delete', entity_type, old_row ->> key_column, old_row);
+        VALUES ('delete', entity_type, row_json ->> key_column, row_json);
     ELSE
-        new_row := to_jsonb(NEW);
-        IF TG_OP = 'UPDATE' THEN
-            old_row := to_jsonb(OLD);
-            -- A changed key is a delete of the old entity and an upsert of the new one.
-            IF (old_row -> key_column) IS DISTINCT FROM (new_row -> key_column) THEN
-                INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-                VALUES ('delete', entity_type, old_row ->> key_column, old_row);
-            END IF;
-        END IF;
+        row_json := to_jsonb(NEW);
         INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-        VALUES ('upsert', entity_type, new_row ->> key_column, new_row);
+        VALUES ('upsert', entity_type, row_json ->> key_column, row_json);
     END IF;
     -- Once per transaction (a transaction-local marker; a rolled-back savepoint undoes it along
     -- with any NOTIFY it sent, so the next row checks again).
@@ -61,3 +55,59 @@ BEGIN
     RETURN NULL;
 END;
 $$;
+
+-- An UPDATE that changed the key: the old entity is gone (its delete carries the old row).
+CREATE FUNCTION sync.relay_rekey() RETURNS trigger
+LANGUAGE plpgsql AS $$
+DECLARE
+    old_row jsonb := to_jsonb(OLD);
+BEGIN
+    INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
+    VALUES ('delete', TG_ARGV[0], old_row ->> TG_ARGV[1], old_row);
+    RETURN NULL;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION sync.track(
+    target      regclass,
+    entity_type text,
+    key_column  text DEFAULT 'id'
+) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF entity_type IS NULL OR entity_type !~ '^[A-Za-z_][A-Za-z0-9_.-]{0,127}$' THEN
+        RAISE EXCEPTION 'sync.track: entity type % is not an identifier', quote_literal(entity_type)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_attribute
+        WHERE attrelid = target AND attname = key_column AND attnum > 0 AND NOT attisdropped
+    ) THEN
+        RAISE EXCEPTION 'sync.track: table % has no column %', target, quote_ident(key_column)
+            USING ERRCODE = 'undefined_column';
+    END IF;
+    EXECUTE format('DROP TRIGGER IF EXISTS sync_relay ON %s', target);
+    EXECUTE format('DROP TRIGGER IF EXISTS sync_rekey ON %s', target);
+    EXECUTE format(
+        'CREATE TRIGGER sync_relay AFTER INSERT OR UPDATE OR DELETE ON %s '
+        'FOR EACH ROW EXECUTE FUNCTION sync.relay(%L, %L)',
+        target, entity_type, key_column
+    );
+    EXECUTE format(
+        'CREATE TRIGGER sync_rekey AFTER UPDATE ON %s FOR EACH ROW '
+        'WHEN (OLD.%I IS DISTINCT FROM NEW.%I) EXECUTE FUNCTION sync.relay_rekey(%L, %L)',
+        target, key_column, key_column, entity_type, key_column
+    );
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION sync.untrack(target regclass) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE format('DROP TRIGGER IF EXISTS sync_relay ON %s', target);
+    EXECUTE format('DROP TRIGGER IF EXISTS sync_rekey ON %s', target);
+END;
+$$;
+
+-- Re-attach the tables tracked so far, so that they get the rekey trigger too.
+SELECT sync.track(table_name, entity_type, key_column) FROM sync.tracked_tables;
