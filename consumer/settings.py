@@ -48,6 +48,9 @@ class SyncSettings(_Base):
     recheck_interval_ms: int = Field(
         100, ge=5, le=5000, validation_alias="SYNC_RECHECK_INTERVAL_MS"
     )
+    # After an empty read, read again this much later before asking producers for a NOTIFY: a
+    # consumer under steady load keeps polling at this pace and costs producers no NOTIFY.
+    linger_ms: int = Field(5, ge=0, le=1000, validation_alias="SYNC_LINGER_MS")
     # How often a standby tries to take over, and how often the leader checks its lock.
     standby_interval_sec: float = Field(
         1.0, gt=0, le=60, validation_alias="SYNC_STANDBY_INTERVAL_SEC"

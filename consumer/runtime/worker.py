@@ -43,6 +43,8 @@ class RuntimeConfig:
     retry_initial: float = 2.0
     retry_max: float = 256.0
     shutdown_timeout: float = 5.0
+    # After an empty read, look again this much later before announcing that we wait.
+    linger: float = 0.005
 
 
 @dataclass
@@ -196,13 +198,15 @@ class ConsumerRuntime:
     # -- the loop -----------------------------------------------------------------------------
 
     async def _drain_loop(self, epoch: int, position: Position) -> None:
-        """Read, deliver, commit; after an empty read, announce that we wait, then sleep.
+        """Read, deliver, commit; when reads come back empty, announce that we wait, then sleep.
 
         While a full batch is being delivered the next one is already read (pipelining). The
-        relay sends NOTIFY only while a consumer is marked waiting (sql/backend/0002): we mark
-        ourselves waiting after an empty read and read once more before sleeping, and unmark
-        once reads come back non-empty twice in a row, so a busy consumer costs producers no
-        NOTIFY.
+        relay sends NOTIFY only while a consumer is marked waiting (sql/backend/0002). After an
+        empty read we first linger briefly and read again; only if that read is empty too do we
+        mark ourselves waiting, read once more (a commit may have raced the mark), and sleep. A
+        consumer under steady load therefore never marks itself waiting and costs producers no
+        NOTIFY at all; an idle one is woken at once. The mark is cleared as soon as a read finds
+        events again.
         """
         limit = self.config.batch_size
         listening = self.listener is not None
@@ -213,7 +217,7 @@ class ConsumerRuntime:
             await self._with_db_retry(
                 functools.partial(self.store.set_waiting, self.consumer, False)
             )
-        previous_empty = True
+        lingered = False
         prefetch: asyncio.Task[ReadResult] | None = None
         try:
             while not self.stop_event.is_set():
@@ -226,12 +230,15 @@ class ConsumerRuntime:
                 batch = result.batch
                 if batch is None:
                     if listening and not waiting:
+                        if not lingered:
+                            lingered = True
+                            await self._sleep_unless_stopped(self.config.linger)
+                            continue
                         await self._with_db_retry(
                             functools.partial(self.store.set_waiting, self.consumer, True)
                         )
-                        waiting = previous_empty = True
+                        waiting = True
                         continue  # read once more: a commit may have raced the announcement
-                    previous_empty = True
                     timeout = (
                         self.config.recheck_interval
                         if result.held_back
@@ -240,14 +247,14 @@ class ConsumerRuntime:
                     reason = await self._wait_for_work(wakeup, timeout, held_back=result.held_back)
                     self._count_wakeup(reason)
                     continue
+                lingered = False
                 if batch.count == limit:
                     prefetch = asyncio.create_task(self.store.read_batch(batch.end, limit))
-                if waiting and not previous_empty:
+                if waiting:
                     await self._with_db_retry(
                         functools.partial(self.store.set_waiting, self.consumer, False)
                     )
                     waiting = False
-                previous_empty = False
                 if not await self._deliver(batch, epoch):  # stopping, batch abandoned
                     return
                 position = batch.end

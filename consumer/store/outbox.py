@@ -51,9 +51,7 @@ class OutboxStore:
             cur = await conn.execute(
                 query("read_batch"),
                 {"txid": str(after.txid), "seq": after.seq, "limit": limit},
-                # Not prepared: planning is cheap next to building the batch, and a custom plan
-                # fits the actual position and limit.
-                prepare=False,
+                prepare=True,
                 # Binary results: the batch arrives as raw bytes, not hex-encoded text.
                 binary=True,
             )
