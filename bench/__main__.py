@@ -32,6 +32,12 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--name", help="result file name (default: timestamp)")
         p.add_argument(
+            "--out",
+            type=Path,
+            default=report.RESULTS,
+            help="folder for the JSON and PNG (default bench/results)",
+        )
+        p.add_argument(
             "--private",
             action="store_true",
             help="measure on a private throwaway cluster, not the local server",
@@ -111,7 +117,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         if args.command in ("producer", "all"):
             result["producer"] = await producer.run_producer(env, seconds=max(2, round(seconds)))
     result["targets"] = report.targets(result)
-    path = report.write(result, name)
+    path = report.write(result, name, args.out)
     progress(f"wrote {path}")
     return result
 

@@ -97,7 +97,7 @@ async def produce_calls(dsn: str, n: int, *, chunk: int = 50_000) -> None:
             dsn,
             "INSERT INTO call_logs (caller_number, callee_number, status, ended_at, duration_sec,"
             " summary) SELECT '090' || lpad(g::text, 8, '0'), '0312345678', 'completed', now(),"
-            " g %% 600, 'bench call ' || g FROM generate_series(%s, %s) g",
+            " g %% 600, 'bench call ' || g FROM generate_series(%s::bigint, %s::bigint) g",
             (done + 1, done + size),
         )
         done += size

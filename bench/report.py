@@ -75,10 +75,10 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return checks
 
 
-def write(result: dict[str, Any], name: str) -> Path:
+def write(result: dict[str, Any], name: str, folder: Path = RESULTS) -> Path:
     """Save the run as JSON (and a PNG chart beside it when matplotlib is installed)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     path.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
     chart(result, path.with_suffix(".png"))
     return path

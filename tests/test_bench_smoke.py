@@ -1,0 +1,51 @@
+"""The benchmark still runs end to end (tiny sizes): it is not a test of speed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "all",
+            "--events",
+            "3000",
+            "--seconds",
+            "1",
+            "--rate",
+            "100",
+            "--poll-interval",
+            "0.3",
+            "--name",
+            "smoke",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = orjson.loads((tmp_path / "smoke.json").read_bytes())
+    drain = figures["drain"]
+    assert drain["events"] == 3000
+    for key in ("in_database", "python_loop", "product_http", "product_null"):
+        assert drain[key]["events_per_sec"] > 0
+    assert drain["product_http"]["consumer_peak_rss_mb"] > 0
+    assert {run["mode"] for run in figures["latency"]} == {"notify", "poll-only"}
+    assert set(figures["producer"]["tps"]) >= {"untracked", "tracked_wakeups_on"}
+    assert "producer_tracked_wakeups_on_ratio" in figures["targets"]
+    assert (tmp_path / "smoke.png").stat().st_size > 1000
+    assert "drain of 3,000 events" in result.stdout
