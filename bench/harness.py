@@ -26,6 +26,8 @@ from consumer.events import Position
 BACKEND_DB = "serversync_bench_backend"
 FRONTEND_DB = "serversync_bench_frontend"
 ROOT = Path(__file__).resolve().parent.parent
+# Consumers sign and the receiver checks, as in production.
+BENCH_SECRET = "bench-shared-secret-0123456789"
 
 
 def progress(message: str) -> None:
@@ -150,7 +152,7 @@ def start_service(args: list[str], env: dict[str, str], log: Path) -> Service:
     with log.open("wb") as handle:
         process = subprocess.Popen(
             [sys.executable, "-m", "consumer", "--log-format", "text", *args],
-            env={**os.environ, **env},
+            env={**os.environ, "SYNC_SHARED_SECRET": BENCH_SECRET, **env},
             stdout=handle,
             stderr=handle,
         )

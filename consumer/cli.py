@@ -64,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ingest-server", help="run the reference receiver (FRONTEND_DATABASE_URL)")
     p.add_argument("--host", help="address to bind (INGEST_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (INGEST_PORT, default 8080)")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="accept unsigned requests when SYNC_SHARED_SECRET is not set (demos only)",
+    )
 
     p = sub.add_parser("demo", help="end-to-end demo on a local or private PostgreSQL")
     p.add_argument("--calls", type=int, default=5, help="call logs to create (default 5)")
@@ -130,7 +135,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
             overrides["INGEST_PORT"] = args.port
         receiver = load(ReceiverSettings, **overrides)
         setup_logging(receiver.log_level, args.log_format)
-        await run_ingest_server(receiver)
+        await run_ingest_server(receiver, insecure=args.insecure)
         return 0
     if command == "demo":
         from consumer.demo import run_demo  # noqa: PLC0415 - only the demo needs it

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -102,6 +103,8 @@ async def run_demo(calls: int = 5) -> int:
             "FRONTEND_BASE_URL": base_url,
             "INGEST_PORT": str(port),
             "SYNC_LOG_LEVEL": "INFO",
+            # The consumer signs, the receiver checks: the same secret on both sides.
+            "SYNC_SHARED_SECRET": secrets.token_hex(16),
         }
         processes.append(await _spawn(["ingest-server"], env, workdir / "ingest-server.log"))
         processes.append(await _spawn(["run", "frontend-sync"], env, workdir / "frontend-sync.log"))

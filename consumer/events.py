@@ -52,6 +52,25 @@ class Batch:
         entries: list[dict[str, Any]] = orjson.loads(self.entries_json)
         return entries
 
+    @classmethod
+    def of(cls, entries: list[dict[str, Any]], end: Position) -> Batch:
+        """A batch made of entry dicts (a part of a split batch, or a dead letter's event)."""
+        seqs = [int(entry["seq"]) for entry in entries]
+        return cls(
+            count=len(entries),
+            end=end,
+            min_seq=min(seqs),
+            max_seq=max(seqs),
+            oldest_created_at=None,
+            entries_json=orjson.dumps(entries),
+        )
+
+    def split(self) -> tuple[Batch, Batch]:
+        """Two halves, in order (for finding the entries a receiver refuses)."""
+        entries = self.entries()
+        middle = len(entries) // 2
+        return Batch.of(entries[:middle], self.end), Batch.of(entries[middle:], self.end)
+
     @property
     def seq_range(self) -> str:
         """min..max seq, for logs."""
@@ -59,12 +78,36 @@ class Batch:
 
 
 class DeliveryError(Exception):
-    """A sink could not deliver a batch; the offset stays and the batch is tried again."""
+    """A sink could not deliver a batch.
 
-    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+    Retryable (network error, timeout, 5xx, 429): the offset stays and the batch is tried again
+    with backoff. Not retryable (the receiver refused the content: 400, 401, 403, 404, 413,
+    422): the runtime splits the batch to find the entries at fault and parks only those.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retryable: bool = True,
+        code: str = "DELIVERY_FAILED",
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
+        self.retryable = retryable
+        # A short machine-readable reason, stored with a parked event (e.g. HTTP_422).
+        self.code = code
         # A hint from the receiver (Retry-After), in seconds.
         self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """An event the consumer gives up on, with why."""
+
+    entry: dict[str, Any]
+    code: str
+    message: str
 
 
 class Sink(Protocol):

@@ -7,7 +7,7 @@ from typing import Literal, TypeVar
 from pydantic import AliasChoices, Field, HttpUrl, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from consumer.telemetry import mask_secrets
+from consumer.redact import mask_secrets
 
 __all__ = ["ConfigError", "ReceiverSettings", "SyncSettings", "load"]
 
@@ -57,6 +57,16 @@ class SyncSettings(_Base):
     )
     retry_initial_sec: float = Field(2.0, gt=0, le=3600, validation_alias="SYNC_RETRY_INITIAL_SEC")
     retry_max_sec: float = Field(256.0, gt=0, le=86400, validation_alias="SYNC_RETRY_MAX_SEC")
+    # Retryable failures of a batch before its events are parked in the DLQ; 0: never give up.
+    max_attempts: int = Field(8, ge=0, le=1000, validation_alias="SYNC_MAX_ATTEMPTS")
+    # Operator retries of a parked event before it is DEAD.
+    dlq_max_retries: int = Field(3, ge=0, le=1000, validation_alias="SYNC_DLQ_MAX_RETRIES")
+    # Signs every request to the receiver (HMAC-SHA256, see consumer/signing.py).
+    shared_secret: str | None = Field(None, min_length=16, validation_alias="SYNC_SHARED_SECRET")
+    # The admin API (DLQ) of a consumer process: off unless SYNC_ADMIN_TOKEN is set.
+    http_host: str = Field("127.0.0.1", validation_alias="SYNC_HTTP_HOST")
+    http_port: int = Field(9464, ge=0, le=65535, validation_alias="SYNC_HTTP_PORT")
+    admin_token: str | None = Field(None, min_length=16, validation_alias="SYNC_ADMIN_TOKEN")
     shutdown_timeout_sec: float = Field(
         5.0, gt=0, le=300, validation_alias="SYNC_SHUTDOWN_TIMEOUT_SEC"
     )
@@ -75,6 +85,8 @@ class ReceiverSettings(_Base):
     )
     host: str = Field("127.0.0.1", validation_alias="INGEST_HOST")
     port: int = Field(8080, ge=0, le=65535, validation_alias="INGEST_PORT")
+    # Without a secret the receiver only starts with --insecure (local demos).
+    shared_secret: str | None = Field(None, min_length=16, validation_alias="SYNC_SHARED_SECRET")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, validation_alias="INGEST_MAX_BODY_BYTES")
 
 

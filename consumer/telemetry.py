@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
-# Passwords in URLs and DSNs, bearer tokens, API keys and private keys (seed 003 §8.4).
-_SECRETS = [
-    (re.compile(r"(?i)([a-z][a-z0-9+.-]*://[^:/@\s]+:)[^@\s]+@"), r"\1***@"),
-    (re.compile(r"(?i)(password\s*=\s*)('[^']*'|\S+)"), r"\1***"),
-    (re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+"), r"\1***"),
-    (re.compile(r"(?i)((?:api[_-]?key|token|secret)[\"']?\s*[:=]\s*[\"']?)[^\s\"',}]+"), r"\1***"),
-    (
-        re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
-        "-----PRIVATE KEY REDACTED-----",
-    ),
-]
+from consumer.redact import mask_secrets
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
-
-
-def mask_secrets(text: str) -> str:
-    """The text with passwords, tokens and keys replaced by ***."""
-    for pattern, replacement in _SECRETS:
-        text = pattern.sub(replacement, text)
-    return text
 
 
 class JsonFormatter(logging.Formatter):

@@ -75,7 +75,11 @@ def make_sink(consumer: str, settings: SyncSettings, sink: str = "default") -> S
     if sink == "null":
         return NullSink()
     if consumer == "frontend-sync":
-        return FrontendSyncSink(settings.frontend_url, timeout_sec=settings.timeout_sec)
+        return FrontendSyncSink(
+            settings.frontend_url,
+            timeout_sec=settings.timeout_sec,
+            shared_secret=settings.shared_secret,
+        )
     raise StartupError(f"unknown consumer {consumer!r} (known: {', '.join(CONSUMERS)})")
 
 
@@ -90,6 +94,8 @@ def runtime_config(settings: SyncSettings) -> RuntimeConfig:
         retry_max=settings.retry_max_sec,
         shutdown_timeout=settings.shutdown_timeout_sec,
         linger=settings.linger_ms / 1000,
+        max_attempts=settings.max_attempts,
+        dlq_max_retries=settings.dlq_max_retries,
     )
 
 
@@ -159,13 +165,23 @@ async def run_consumer(settings: SyncSettings, consumer: str, sink: str = "defau
     log.info("consumer %s stopped", consumer)
 
 
-async def run_ingest_server(settings: ReceiverSettings) -> None:
+async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = False) -> None:
     """`serversync ingest-server`: migrate the receiver's database, then serve until signalled."""
+    if not settings.shared_secret and not insecure:
+        raise StartupError(
+            "SYNC_SHARED_SECRET is not set: the receiver would accept writes from anyone who can "
+            "reach its port; set it (the consumers need the same value) or pass --insecure for a "
+            "local demo"
+        )
     dsn = settings.frontend_database_url
     async with await connect_or_explain(dsn, "ingest-migrate", "FRONTEND_DATABASE_URL") as conn:
         await migrations.migrate(conn, ["receiver"])
     async with open_pool(dsn, "ingest", max_size=8) as pool:
-        app = build_app(EntityStore(pool), max_body_bytes=settings.max_body_bytes)
+        app = build_app(
+            EntityStore(pool),
+            max_body_bytes=settings.max_body_bytes,
+            shared_secret=settings.shared_secret,
+        )
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)

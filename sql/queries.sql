@@ -228,3 +228,15 @@ INSERT INTO sync.consumer_waits (consumer, waiting, updated_at)
 VALUES (%(consumer)s, %(waiting)s, now())
 ON CONFLICT (consumer) DO UPDATE
 SET waiting = EXCLUDED.waiting, updated_at = EXCLUDED.updated_at;
+
+-- name: park_entries
+-- Park events in the dead-letter queue (in the transaction that moves the offset past them).
+INSERT INTO sync.dlq_messages
+    (consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
+     error_message, max_retries)
+SELECT %(consumer)s, p.seq, p."entityType", p."entityId", p.op, p.payload, p."createdAt",
+       p."errorCode", p."errorMessage", %(max_retries)s
+FROM jsonb_to_recordset(%(parked)s::jsonb) AS p(
+        seq bigint, "entityType" text, "entityId" text, op text, payload jsonb,
+        "createdAt" timestamptz, "errorCode" text, "errorMessage" text)
+ON CONFLICT (consumer, seq) DO NOTHING;

@@ -9,8 +9,10 @@ from typing import Any
 import orjson
 import psycopg
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from pydantic import ValidationError
 
+from consumer import signing
 from consumer.receiver.models import INGEST_REQUEST, describe
 from consumer.receiver.store import EntityStore
 
@@ -105,9 +107,36 @@ async def readyz(request: web.Request) -> web.Response:
     return json_response({"status": "ready"})
 
 
-def build_app(store: EntityStore, *, max_body_bytes: int) -> web.Application:
-    """The receiver's aiohttp application."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[json_errors])
+def signature_check(secret: str) -> Middleware:
+    """Refuse (401, nothing written) ingest requests not signed with the shared secret."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/api/ingest/"):
+            body = await request.read()  # aiohttp keeps it for the handler
+            problem = signing.verify(
+                secret,
+                request.headers.get(signing.TIMESTAMP_HEADER),
+                request.headers.get(signing.SIGNATURE_HEADER),
+                body,
+            )
+            if problem is not None:
+                log.warning("refused unsigned or badly signed %s: %s", request.path, problem)
+                return error_response(401, "INGEST_UNAUTHORIZED", problem)
+        return await handler(request)
+
+    return check
+
+
+def build_app(
+    store: EntityStore, *, max_body_bytes: int, shared_secret: str | None = None
+) -> web.Application:
+    """The receiver's aiohttp application; without `shared_secret` it accepts unsigned requests
+    (the CLI allows that only with --insecure)."""
+    middlewares: list[Middleware] = [json_errors]
+    if shared_secret:
+        middlewares.append(signature_check(shared_secret))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[STORE_KEY] = store
     app[MAX_BODY_KEY] = max_body_bytes
     app.router.add_post("/api/ingest/sync", ingest_sync)

@@ -18,7 +18,8 @@ from typing import TypeVar
 
 import psycopg
 
-from consumer.events import Batch, DeliveryError, Position, Sink
+from consumer.events import Batch, DeadLetter, DeliveryError, Position, Sink
+from consumer.redact import mask_secrets
 from consumer.runtime.backoff import Backoff
 from consumer.runtime.wakeup import NotifyListener
 from consumer.store.leadership import LeaderLock
@@ -45,6 +46,10 @@ class RuntimeConfig:
     shutdown_timeout: float = 5.0
     # After an empty read, look again this much later before announcing that we wait.
     linger: float = 0.005
+    # Retryable failures of one batch before its events are parked; 0 never gives up.
+    max_attempts: int = 8
+    # How often an operator may retry a parked event before it is DEAD.
+    dlq_max_retries: int = 3
 
 
 @dataclass
@@ -57,6 +62,8 @@ class RuntimeStats:
     delivered_events: int = 0
     delivered_batches: int = 0
     failed_deliveries: int = 0
+    retries: int = 0
+    parked_events: int = 0
     notify_wakeups: int = 0
     poll_wakeups: int = 0
     recheck_wakeups: int = 0
@@ -280,43 +287,83 @@ class ConsumerRuntime:
         return await self._with_db_retry(functools.partial(self.store.read_batch, position, limit))
 
     async def _deliver(self, batch: Batch, epoch: int) -> bool:
-        """Deliver until it succeeds, then commit. False if stopped before the batch was done."""
+        """Settle the batch (deliver it, parking what cannot be delivered), then commit.
+
+        False if stopped before the batch was settled: it is delivered again later.
+        """
+        started = time.monotonic()
+        parked = await self._settle(batch, epoch)
+        if parked is None:
+            return False
+        await self._commit(batch, epoch, parked)
+        log.debug(
+            "consumer %s: delivered %d events seq %s in %.1f ms (%d parked)",
+            self.consumer,
+            batch.count - len(parked),
+            batch.seq_range,
+            (time.monotonic() - started) * 1000,
+            len(parked),
+        )
+        return True
+
+    async def _settle(self, batch: Batch, epoch: int) -> list[DeadLetter] | None:
+        """Deliver `batch`; the entries to park, or None if a stop came first.
+
+        Retryable failures keep the offset and back off (honouring Retry-After) up to
+        max_attempts, then the whole batch is parked. A refused batch is split in halves until
+        the refused entries are found: one poison entry never parks its neighbours.
+        """
         backoff = Backoff(self.config.retry_initial, self.config.retry_max)
         while True:
             self._raise_if_lost()
-            started = time.monotonic()
             try:
                 if not await self._deliver_once(batch):
-                    return False
+                    return None
+                return []
             except DeliveryError as exc:
                 self.stats.failed_deliveries += 1
+                error = mask_secrets(str(exc))
+                if not exc.retryable:
+                    if batch.count == 1:
+                        log.warning(
+                            "consumer %s: parking seq %s: %s", self.consumer, batch.seq_range, error
+                        )
+                        return [DeadLetter(batch.entries()[0], exc.code, error)]
+                    parked: list[DeadLetter] = []
+                    for half in batch.split():
+                        settled = await self._settle(half, epoch)
+                        if settled is None:
+                            return None
+                        parked += settled
+                    return parked
+                attempts = backoff.attempts + 1
+                if self.config.max_attempts and attempts >= self.config.max_attempts:
+                    log.warning(
+                        "consumer %s: giving up on seq %s after %d attempts; parking: %s",
+                        self.consumer,
+                        batch.seq_range,
+                        attempts,
+                        error,
+                    )
+                    return [DeadLetter(entry, exc.code, error) for entry in batch.entries()]
                 delay = backoff.next_delay()
                 if exc.retry_after is not None:
                     delay = max(delay, exc.retry_after)
+                self.stats.retries += 1
                 log.warning(
                     "consumer %s: delivery of seq %s failed (attempt %d): %s; retrying in %.1fs",
                     self.consumer,
                     batch.seq_range,
-                    backoff.attempts,
-                    exc,
+                    attempts,
+                    error,
                     delay,
                 )
                 with contextlib.suppress(psycopg.Error):
                     await self._bounded_by_stop(
-                        functools.partial(self.store.record_error, self.consumer, epoch, str(exc))
+                        functools.partial(self.store.record_error, self.consumer, epoch, error)
                     )
                 if not await self._sleep_unless_stopped(delay):
-                    return False
-                continue
-            await self._commit(batch, epoch)
-            log.debug(
-                "consumer %s: delivered %d events seq %s in %.1f ms",
-                self.consumer,
-                batch.count,
-                batch.seq_range,
-                (time.monotonic() - started) * 1000,
-            )
-            return True
+                    return None
 
     async def _deliver_once(self, batch: Batch) -> bool:
         """One delivery attempt that a stop request lets finish within the shutdown timeout."""
@@ -347,15 +394,25 @@ class ConsumerRuntime:
                 if not pending.done():
                     pending.cancel()
 
-    async def _commit(self, batch: Batch, epoch: int) -> None:
+    async def _commit(self, batch: Batch, epoch: int, parked: list[DeadLetter]) -> None:
+        delivered = batch.count - len(parked)
         try:
             await self._with_db_retry(
-                lambda: self.store.commit_offset(self.consumer, epoch, batch.end, batch.count)
+                functools.partial(
+                    self.store.commit_offset,
+                    self.consumer,
+                    epoch,
+                    batch.end,
+                    delivered,
+                    parked=parked,
+                    max_retries=self.config.dlq_max_retries,
+                )
             )
         except FencedError as exc:
             raise LeadershipLostError(str(exc)) from exc
         self.stats.position = batch.end
-        self.stats.delivered_events += batch.count
+        self.stats.delivered_events += delivered
+        self.stats.parked_events += len(parked)
         self.stats.delivered_batches += 1
         self.stats.last_batch_at = time.time()
 

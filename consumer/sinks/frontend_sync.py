@@ -5,6 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from consumer.events import Batch, DeliveryError
+from consumer.signing import sign
 from consumer.sinks.http import client_session, raise_for_outcome
 
 INGEST_PATH = "/api/ingest/sync"
@@ -15,9 +16,12 @@ class FrontendSyncSink:
 
     name = "frontend-sync"
 
-    def __init__(self, base_url: str, *, timeout_sec: float) -> None:
+    def __init__(
+        self, base_url: str, *, timeout_sec: float, shared_secret: str | None = None
+    ) -> None:
         self.url = base_url.rstrip("/") + INGEST_PATH
         self._timeout = timeout_sec
+        self._secret = shared_secret
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -38,10 +42,13 @@ class FrontendSyncSink:
         headers = {
             "Content-Type": "application/json",
             # The same batch always gets the same key, so a receiver can recognise a retry.
-            "Idempotency-Key": f"{self.name}:{batch.end.txid}:{batch.end.seq}:{batch.count}",
+            "Idempotency-Key": f"{self.name}:{batch.min_seq}:{batch.max_seq}:{batch.count}",
+            **sign(self._secret, body),
         }
         try:
             async with self._session.post(self.url, data=body, headers=headers) as response:
                 await raise_for_outcome(response, f"POST {self.url}")
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DeliveryError(f"POST {self.url} failed: {type(exc).__name__}: {exc}") from exc
+            raise DeliveryError(
+                f"POST {self.url} failed: {type(exc).__name__}: {exc}", code="NETWORK_ERROR"
+            ) from exc

@@ -33,12 +33,24 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-async def raise_for_outcome(response: aiohttp.ClientResponse, what: str) -> None:
-    """Raise DeliveryError for anything but a 2xx answer."""
-    if 200 <= response.status < 300:
-        return
-    body = (await response.text(errors="replace"))[:300]
+# What an answer means (seed 001): 409 says "already processed", the rest of 4xx refuses the
+# content itself (retrying cannot help), 5xx, 408, 425 and 429 are passing trouble.
+DELIVERED_CONFLICT = 409
+RETRYABLE_4XX = frozenset({408, 425, 429})
+
+
+async def raise_for_outcome(response: aiohttp.ClientResponse, what: str) -> str:
+    """ "delivered" or "conflict_processed"; DeliveryError (retryable or not) for the rest."""
+    status = response.status
+    if 200 <= status < 300:
+        return "delivered"
+    if status == DELIVERED_CONFLICT:
+        return "conflict_processed"
+    body = " ".join((await response.text(errors="replace")).split())[:300]
+    retryable = status >= 500 or status in RETRYABLE_4XX or status < 400
     raise DeliveryError(
-        f"{what} answered HTTP {response.status}: {body}",
+        f"{what} answered HTTP {status}: {body}",
+        retryable=retryable,
+        code=f"HTTP_{status}",
         retry_after=parse_retry_after(response.headers.get("Retry-After")),
     )

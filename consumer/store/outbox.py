@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from consumer.events import Batch, Position
+from consumer.events import Batch, DeadLetter, Position
 from consumer.queries import query
 
 
@@ -98,23 +100,47 @@ class OutboxStore:
         return Position(int(row[0]), row[1])
 
     async def commit_offset(
-        self, consumer: str, epoch: int, position: Position, delivered: int
+        self,
+        consumer: str,
+        epoch: int,
+        position: Position,
+        delivered: int,
+        *,
+        parked: Sequence[DeadLetter] = (),
+        max_retries: int = 3,
     ) -> None:
-        """Move the offset to `position`; raises FencedError if a newer leader took over."""
+        """Move the offset to `position`, parking `parked` in the dead-letter queue in the same
+        transaction; raises FencedError (and parks nothing) if a newer leader took over."""
+        params = {
+            "consumer": consumer,
+            "epoch": epoch,
+            "txid": str(position.txid),
+            "seq": position.seq,
+            "delivered": delivered,
+        }
         async with self._pool.connection() as conn:
-            cur = await conn.execute(
-                query("commit_offset"),
-                {
-                    "consumer": consumer,
-                    "epoch": epoch,
-                    "txid": str(position.txid),
-                    "seq": position.seq,
-                    "delivered": delivered,
-                },
-                prepare=True,
-            )
-            if cur.rowcount != 1:
-                raise FencedError(f"consumer {consumer}: epoch {epoch} was fenced off")
+            if not parked:
+                cur = await conn.execute(query("commit_offset"), params, prepare=True)
+                if cur.rowcount != 1:
+                    raise FencedError(f"consumer {consumer}: epoch {epoch} was fenced off")
+                return
+            async with conn.transaction():
+                cur = await conn.execute(query("commit_offset"), params)
+                if cur.rowcount != 1:
+                    raise FencedError(f"consumer {consumer}: epoch {epoch} was fenced off")
+                await conn.execute(
+                    query("park_entries"),
+                    {
+                        "consumer": consumer,
+                        "max_retries": max_retries,
+                        "parked": Jsonb(
+                            [
+                                {**d.entry, "errorCode": d.code, "errorMessage": d.message}
+                                for d in parked
+                            ]
+                        ),
+                    },
+                )
 
     async def set_waiting(self, consumer: str, waiting: bool) -> None:
         """Mark whether this consumer sleeps until a NOTIFY (producers notify only then)."""

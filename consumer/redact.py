@@ -1,0 +1,32 @@
+"""Masking secrets in anything serversync logs or stores (seed 003 §8.4, and URL passwords)."""
+
+from __future__ import annotations
+
+import re
+
+MASK = "***"
+
+_SECRETS = [
+    # user:password@ in URLs and DSNs
+    (re.compile(r"(?i)([a-z][a-z0-9+.-]*://[^:/@\s]+:)[^@\s]+@"), r"\1***@"),
+    (re.compile(r"(?i)(password\s*=\s*)('[^']*'|\S+)"), r"\1***"),
+    (re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+"), r"\1***"),
+    (re.compile(r"(?i)((?:api[_-]?key|token|secret)[\"']?\s*[:=]\s*[\"']?)[^\s\"',}]+"), r"\1***"),
+    # seed 003 §8.4: GitHub tokens, Anthropic keys, AWS access keys, private keys
+    (re.compile(r"ghp_[A-Za-z0-9]{36}"), MASK),
+    (re.compile(r"sk-ant-api[A-Za-z0-9-]+"), MASK),
+    (re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b"), MASK),
+    (
+        re.compile(
+            r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)", re.S
+        ),
+        "-----PRIVATE KEY REDACTED-----",
+    ),
+]
+
+
+def mask_secrets(text: str) -> str:
+    """The text with passwords, tokens and keys replaced by ***."""
+    for pattern, replacement in _SECRETS:
+        text = pattern.sub(replacement, text)
+    return text
