@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 from datetime import datetime
 from typing import Any
@@ -11,14 +12,17 @@ from typing import Any
 import orjson
 
 from consumer import migrations
+from consumer.deadletters import DeadLetters
 from consumer.settings import ConfigError, ReceiverSettings, SyncSettings, load
 from consumer.store import admin
+from consumer.store.dlq import DEFAULT_PAGE_SIZE, DlqError, DlqMessage, DlqStore
 from consumer.telemetry import setup_logging
 from consumer.wiring import (
     CONSUMERS,
     SINKS,
     StartupError,
     connect_or_explain,
+    dlq_sinks,
     run_consumer,
     run_ingest_server,
 )
@@ -97,6 +101,29 @@ def _parser() -> argparse.ArgumentParser:
         "--shift-by", type=int, metavar="N", help="move by N events (negative: replay N events)"
     )
     p.add_argument("--dry-run", action="store_true", help="show what would change, change nothing")
+
+    dlq = sub.add_parser("dlq", help="inspect, retry and delete parked events (dead letters)")
+    dsub = dlq.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
+    p = dsub.add_parser("list", help="a consumer's dead letters, newest first")
+    p.add_argument("consumer")
+    p.add_argument("--status", help="only PENDING, RETRYING, RESOLVED or DEAD")
+    p.add_argument("--page", type=int, default=1, help="page number, from 1 (default 1)")
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=DEFAULT_PAGE_SIZE,
+        help=f"messages per page, 1..100 (default {DEFAULT_PAGE_SIZE})",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = dsub.add_parser("show", help="one dead letter, with its event and last error")
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = dsub.add_parser("retry", help="deliver one dead letter again through its consumer's sink")
+    p.add_argument("id")
+    p = dsub.add_parser("retry-all", help="retry every retryable dead letter of a consumer")
+    p.add_argument("consumer")
+    p = dsub.add_parser("delete", help="remove one dead letter for good")
+    p.add_argument("id")
     return parser
 
 
@@ -118,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"serversync: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    except (StartupError, admin.AdminError, migrations.MigrationError) as exc:
+    except (StartupError, admin.AdminError, migrations.MigrationError, DlqError) as exc:
         print(f"serversync: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
@@ -159,6 +186,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await _status(settings, args)
     if command == "offsets":
         return await _offsets(settings, args)
+    if command == "dlq":
+        return await _dlq(settings, args)
     raise AssertionError(command)
 
 
@@ -315,3 +344,126 @@ async def _offsets(settings: SyncSettings, args: argparse.Namespace) -> int:
         f"{' (dry run, nothing changed)' if args.dry_run else ''}"
     )
     return 0
+
+
+# -- dlq -----------------------------------------------------------------------------------------
+
+
+async def _dlq(settings: SyncSettings, args: argparse.Namespace) -> int:
+    async with await connect_or_explain(settings.database_url, "dlq", "DATABASE_URL") as conn:
+        await _require_schema(conn)
+        service = DeadLetters(DlqStore.over_connection(conn), dlq_sinks(settings))
+        try:
+            return await _dlq_action(service, args)
+        finally:
+            await service.close()
+
+
+def _when(value: Any) -> str:
+    return value.isoformat(timespec="seconds") if value is not None else "-"
+
+
+# "POST <url> answered HTTP 422: " says nothing the code column does not: the table shows what
+# the receiver said (`dlq show` has the whole message).
+_ANSWERED = re.compile(r"^\S+ \S+ answered HTTP \d+: ")
+
+
+def _short_error(m: DlqMessage) -> str:
+    return " ".join(f"{m.error_code} {_ANSWERED.sub('', m.error_message)}".split())
+
+
+def _dlq_rows(messages: list[DlqMessage]) -> str:
+    return _table(
+        ["ID", "SEQ", "ENTITY", "OP", "STATUS", "RETRIES", "PARKED_AT", "ERROR"],
+        [
+            [
+                str(m.id),
+                str(m.seq),
+                f"{m.entity_type}/{m.entity_id}",
+                m.op,
+                m.status,
+                f"{m.retry_count}/{m.max_retries}",
+                _when(m.created_at),
+                _short_error(m)[:60],
+            ]
+            for m in messages
+        ],
+    )
+
+
+def _dlq_details(m: DlqMessage) -> str:
+    fields = [
+        ("id", str(m.id)),
+        ("consumer", m.consumer),
+        ("status", m.status),
+        ("retries", f"{m.retry_count} of {m.max_retries}"),
+        ("seq", str(m.seq)),
+        ("entity", f"{m.entity_type}/{m.entity_id}"),
+        ("op", m.op),
+        ("event created", _when(m.event_created_at)),
+        ("parked at", _when(m.created_at)),
+        ("updated at", _when(m.updated_at)),
+        ("last retry at", _when(m.last_retry_at)),
+        ("error code", m.error_code),
+        ("error", " ".join(m.error_message.split())),
+    ]
+    width = max(len(name) for name, _ in fields) + 1
+    lines = [f"{(name + ':').ljust(width)} {value}" for name, value in fields]
+    payload = orjson.dumps(m.payload, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+    return "\n".join([*lines, "payload:", payload])
+
+
+async def _dlq_action(service: DeadLetters, args: argparse.Namespace) -> int:
+    action: str = args.dlq_command
+    if action == "list":
+        page = await service.list_messages(
+            args.consumer, status=args.status, page=args.page, page_size=args.page_size
+        )
+        if args.json:
+            body = {
+                "messages": [m.to_dict() for m in page.messages],
+                "pagination": {
+                    "total_count": page.total_count,
+                    "page": page.page,
+                    "page_size": page.page_size,
+                    "has_next": page.has_next,
+                },
+            }
+            print(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode())
+            return 0
+        which = f" with status {args.status.upper()}" if args.status else ""
+        pages = max(1, -(-page.total_count // page.page_size))
+        if not page.total_count:
+            print(f"no dead letters for {args.consumer}{which}")
+        elif not page.messages:
+            print(
+                f"page {page.page} is past the end: {page.total_count} dead letter(s){which}, "
+                f"{pages} page(s) of {page.page_size}"
+            )
+        else:
+            print(_dlq_rows(page.messages))
+            print(f"\npage {page.page} of {pages}, {page.total_count} dead letter(s){which}")
+        return 0
+    if action == "show":
+        message = await service.get(args.id)
+        if args.json:
+            print(orjson.dumps(message.to_dict(), option=orjson.OPT_INDENT_2).decode())
+        else:
+            print(_dlq_details(message))
+        return 0
+    if action == "retry":
+        result = await service.retry(args.id)
+        if not result.delivered:
+            print(f"serversync: {result.message.id}: {result.describe()}", file=sys.stderr)
+            return EXIT_ERROR
+        print(f"{result.message.id}: {result.describe()}")
+        return 0
+    if action == "retry-all":
+        outcome = await service.retry_all(args.consumer)
+        print(f"{args.consumer}: {outcome.describe()}")
+        return EXIT_ERROR if outcome.failed else 0
+    if action == "delete":
+        await service.delete(args.id)
+        print(f"deleted dead letter {args.id.strip()}")
+        return 0
+    raise AssertionError(action)

@@ -7,6 +7,8 @@ parses it (`Batch.entries()`).
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -52,29 +54,59 @@ class Batch:
         entries: list[dict[str, Any]] = orjson.loads(self.entries_json)
         return entries
 
-    @classmethod
-    def of(cls, entries: list[dict[str, Any]], end: Position) -> Batch:
-        """A batch made of entry dicts (a part of a split batch, or a dead letter's event)."""
-        seqs = [int(entry["seq"]) for entry in entries]
-        return cls(
-            count=len(entries),
-            end=end,
-            min_seq=min(seqs),
-            max_seq=max(seqs),
-            oldest_created_at=None,
-            entries_json=orjson.dumps(entries),
-        )
-
-    def split(self) -> tuple[Batch, Batch]:
-        """Two halves, in order (for finding the entries a receiver refuses)."""
-        entries = self.entries()
-        middle = len(entries) // 2
-        return Batch.of(entries[:middle], self.end), Batch.of(entries[middle:], self.end)
-
     @property
     def seq_range(self) -> str:
         """min..max seq, for logs."""
         return f"{self.min_seq}..{self.max_seq}"
+
+    def raw_entries(self) -> list[bytes]:
+        """Each entry's JSON exactly as the outbox gave it (no number is re-encoded)."""
+        return json_array_elements(self.entries_json)
+
+    @classmethod
+    def of_raw(cls, parts: list[bytes], end: Position) -> Batch:
+        """A batch of raw entries (a part of a split batch)."""
+        seqs = [int(json.loads(part)["seq"]) for part in parts]
+        return cls(
+            count=len(parts),
+            end=end,
+            min_seq=min(seqs),
+            max_seq=max(seqs),
+            oldest_created_at=None,
+            entries_json=b"[" + b",".join(parts) + b"]",
+        )
+
+    def split(self) -> tuple[Batch, Batch]:
+        """Two halves, in order (for finding the entries a receiver refuses). The entries are
+        cut out of the JSON text, not decoded and re-encoded, so payloads stay exact."""
+        parts = self.raw_entries()
+        middle = len(parts) // 2
+        return Batch.of_raw(parts[:middle], self.end), Batch.of_raw(parts[middle:], self.end)
+
+
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
+
+
+def json_array_elements(array_json: bytes) -> list[bytes]:
+    """The text of each element of a JSON array, byte for byte."""
+    text = array_json.decode()
+    index = _SPACE.match(text, 0).end()  # type: ignore[union-attr]
+    if text[index : index + 1] != "[":
+        raise ValueError("not a JSON array")
+    parts: list[bytes] = []
+    index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+    if text[index : index + 1] == "]":
+        return parts
+    while True:
+        _, end = _DECODER.raw_decode(text, index)
+        parts.append(text[index:end].encode())
+        index = _SPACE.match(text, end).end()  # type: ignore[union-attr]
+        if text[index : index + 1] == "]":
+            return parts
+        if text[index : index + 1] != ",":
+            raise ValueError(f"malformed JSON array at {index}")
+        index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
 
 
 class DeliveryError(Exception):
@@ -105,7 +137,8 @@ class DeliveryError(Exception):
 class DeadLetter:
     """An event the consumer gives up on, with why."""
 
-    entry: dict[str, Any]
+    # The entry's JSON exactly as delivered (see Batch.raw_entries).
+    entry_json: bytes
     code: str
     message: str
 

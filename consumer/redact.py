@@ -11,9 +11,12 @@ _SECRETS = [
     (re.compile(r"(?i)([a-z][a-z0-9+.-]*://[^:/@\s]+:)[^@\s]+@"), r"\1***@"),
     (re.compile(r"(?i)(password\s*=\s*)('[^']*'|\S+)"), r"\1***"),
     (re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+"), r"\1***"),
+    (re.compile(r"(?i)(basic\s+)[A-Za-z0-9+/=]{8,}"), r"\1***"),
+    # "password": "..." in JSON bodies
+    (re.compile(r'(?i)("(?:password|passwd|secret|token|api[_-]?key)"\s*:\s*")[^"]*"'), r'\1***"'),
     (re.compile(r"(?i)((?:api[_-]?key|token|secret)[\"']?\s*[:=]\s*[\"']?)[^\s\"',}]+"), r"\1***"),
     # seed 003 §8.4: GitHub tokens, Anthropic keys, AWS access keys, private keys
-    (re.compile(r"ghp_[A-Za-z0-9]{36}"), MASK),
+    (re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"), MASK),
     (re.compile(r"sk-ant-api[A-Za-z0-9-]+"), MASK),
     (re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b"), MASK),
     (

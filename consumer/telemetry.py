@@ -27,7 +27,9 @@ class JsonFormatter(logging.Formatter):
         }
         for key, value in record.__dict__.items():
             if key not in _STANDARD:
-                entry[key] = value
+                # extra= fields are masked like the message: a DSN or a header may ride along.
+                plain = value is None or isinstance(value, bool | int | float)
+                entry[key] = value if plain else mask_secrets(str(value))
         if record.exc_info:
             entry["exc"] = mask_secrets(self.formatException(record.exc_info))
         return orjson.dumps(entry, default=str).decode()

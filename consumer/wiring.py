@@ -15,7 +15,9 @@ from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from consumer import migrations
+from consumer.adminapi import build_admin_app
 from consumer.db import connect, connect_kwargs, mask_dsn
+from consumer.deadletters import DeadLetters, SinkFactory
 from consumer.events import Sink
 from consumer.receiver.app import build_app
 from consumer.receiver.store import EntityStore
@@ -24,6 +26,7 @@ from consumer.runtime.worker import ConsumerRuntime, RuntimeConfig
 from consumer.settings import ConfigError, ReceiverSettings, SyncSettings
 from consumer.sinks.frontend_sync import FrontendSyncSink
 from consumer.sinks.null import NullSink
+from consumer.store.dlq import DlqStore
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import OutboxStore
 
@@ -152,7 +155,10 @@ def _install_stop_handlers(stop: Callable[[], object]) -> None:
 async def run_consumer(settings: SyncSettings, consumer: str, sink: str = "default") -> None:
     """`serversync run CONSUMER`: until SIGTERM/SIGINT."""
     await check_database(settings.database_url, ["backend"], "DATABASE_URL")
-    async with consumer_runtime(settings, consumer, sink) as runtime:
+    async with (
+        consumer_runtime(settings, consumer, sink) as runtime,
+        serve_admin_api(settings, sink),
+    ):
         _install_stop_handlers(runtime.request_stop)
         log.info(
             "consumer %s starting (batch %d, poll %ss, sink %s)",
@@ -163,6 +169,58 @@ async def run_consumer(settings: SyncSettings, consumer: str, sink: str = "defau
         )
         await runtime.run()
     log.info("consumer %s stopped", consumer)
+
+
+def dlq_sinks(settings: SyncSettings, sink: str = "default") -> SinkFactory:
+    """Makes the sink of a parked event's consumer, for retries from the dead-letter queue."""
+
+    def make(consumer: str) -> Sink:
+        if consumer not in CONSUMERS:
+            raise LookupError(f"no such consumer in this build (known: {', '.join(CONSUMERS)})")
+        return make_sink(consumer, settings, sink)
+
+    return make
+
+
+@contextlib.asynccontextmanager
+async def serve_admin_api(
+    settings: SyncSettings, sink: str = "default"
+) -> AsyncIterator[str | None]:
+    """The admin API (dead-letter queue, /healthz) on SYNC_HTTP_HOST:SYNC_HTTP_PORT while the
+    block runs; yields its base URL, or None when SYNC_ADMIN_TOKEN is not set (then it is off:
+    an unauthenticated way to replay events must not appear by default)."""
+    token = settings.admin_token
+    if not token:
+        log.info("admin API off (set SYNC_ADMIN_TOKEN to serve it)")
+        yield None
+        return
+    # A pool of its own: operator requests never wait behind the delivery loop's connections.
+    async with open_pool(settings.database_url, "admin", max_size=2) as pool:
+        service = DeadLetters(DlqStore.over_pool(pool), dlq_sinks(settings, sink))
+        runner = web.AppRunner(
+            build_admin_app(service, token=token),
+            access_log=None,
+            handle_signals=False,
+            # A retry-all in flight must not hold the process's stop for aiohttp's default 60 s.
+            shutdown_timeout=settings.shutdown_timeout_sec,
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, settings.http_host, settings.http_port)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot serve the admin API on {settings.http_host}:{settings.http_port} "
+                    f"(SYNC_HTTP_HOST/SYNC_HTTP_PORT): {exc.strerror or exc}"
+                ) from None
+            host, port = runner.addresses[0][:2]
+            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            log.info("admin API listening on %s", url)
+            yield url
+        finally:
+            await runner.cleanup()
+            await service.close()
 
 
 async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = False) -> None:

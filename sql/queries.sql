@@ -231,12 +231,93 @@ SET waiting = EXCLUDED.waiting, updated_at = EXCLUDED.updated_at;
 
 -- name: park_entries
 -- Park events in the dead-letter queue (in the transaction that moves the offset past them).
+-- parked: [{"entry": <the entry as delivered>, "errorCode", "errorMessage"}, ...]
 INSERT INTO sync.dlq_messages
     (consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
      error_message, max_retries)
-SELECT %(consumer)s, p.seq, p."entityType", p."entityId", p.op, p.payload, p."createdAt",
-       p."errorCode", p."errorMessage", %(max_retries)s
-FROM jsonb_to_recordset(%(parked)s::jsonb) AS p(
+SELECT %(consumer)s, e.seq, e."entityType", e."entityId", e.op, e.payload, e."createdAt",
+       p.item ->> 'errorCode', p.item ->> 'errorMessage', %(max_retries)s
+FROM jsonb_array_elements(convert_from(%(parked)s, 'UTF8')::jsonb) AS p(item),
+     jsonb_to_record(p.item -> 'entry') AS e(
         seq bigint, "entityType" text, "entityId" text, op text, payload jsonb,
-        "createdAt" timestamptz, "errorCode" text, "errorMessage" text)
+        "createdAt" timestamptz)
 ON CONFLICT (consumer, seq) DO NOTHING;
+
+-- name: dlq_count
+SELECT count(*)
+FROM sync.dlq_messages
+WHERE consumer = %(consumer)s AND (%(status)s::text IS NULL OR status = %(status)s::text);
+
+-- name: dlq_list
+-- Newest first; events parked by one commit share created_at, so seq breaks the tie.
+SELECT id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
+       error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at
+FROM sync.dlq_messages
+WHERE consumer = %(consumer)s AND (%(status)s::text IS NULL OR status = %(status)s::text)
+ORDER BY created_at DESC, seq DESC
+LIMIT %(limit)s OFFSET %(offset)s;
+
+-- name: dlq_get
+SELECT id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
+       error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at
+FROM sync.dlq_messages
+WHERE id = %(id)s;
+
+-- name: dlq_lock
+-- Taken before a claim: concurrent claims of one message see each other's counts.
+SELECT status, retry_count, max_retries
+FROM sync.dlq_messages
+WHERE id = %(id)s
+FOR UPDATE;
+
+-- name: dlq_claim
+UPDATE sync.dlq_messages
+SET status = 'RETRYING', retry_count = retry_count + 1, last_retry_at = now()
+WHERE id = %(id)s
+RETURNING id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
+          error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at;
+
+-- name: dlq_entry
+-- The parked event as a one-entry batch in the wire format, built as read_batch builds it: the
+-- payload goes out as jsonb's own text, with no float rounding of big or long numbers on the way.
+SELECT convert_to('[{"entityType":' || to_json(entity_type)::text
+       || ',"entityId":' || to_json(entity_id)::text
+       || ',"op":' || to_json(op)::text
+       || ',"seq":' || seq
+       || ',"payload":' || payload::text
+       || ',"createdAt":' || coalesce(to_json(event_created_at)::text, 'null') || '}]', 'UTF8')
+FROM sync.dlq_messages
+WHERE id = %(id)s;
+
+-- name: dlq_resolve
+-- Unconditional: the event did reach the receiver, whatever a concurrent retry concluded.
+UPDATE sync.dlq_messages
+SET status = 'RESOLVED'
+WHERE id = %(id)s
+RETURNING id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
+          error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at;
+
+-- name: dlq_fail
+-- Only a message still being retried: a concurrent retry that resolved it wins.
+UPDATE sync.dlq_messages
+SET status = CASE WHEN retry_count >= max_retries THEN 'DEAD' ELSE 'PENDING' END,
+    error_code = %(code)s,
+    error_message = %(message)s
+WHERE id = %(id)s AND status = 'RETRYING'
+RETURNING id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
+          error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at;
+
+-- name: dlq_delete
+DELETE FROM sync.dlq_messages WHERE id = %(id)s RETURNING id;
+
+-- name: dlq_retryable_ids
+-- Keyset pages in id order: a message that fails again during a retry-all goes back to PENDING
+-- behind the cursor, so no message is retried twice by one run.
+SELECT id
+FROM sync.dlq_messages
+WHERE consumer = %(consumer)s
+  AND status IN ('PENDING', 'RETRYING')
+  AND retry_count < max_retries
+  AND (%(after)s::uuid IS NULL OR id > %(after)s::uuid)
+ORDER BY id
+LIMIT %(limit)s;

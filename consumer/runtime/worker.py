@@ -26,6 +26,8 @@ from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import FencedError, OutboxStore, ReadResult
 
 log = logging.getLogger("serversync.runtime")
+# The longest Retry-After the runtime waits for before trying again anyway.
+RETRY_AFTER_CEILING_SEC = 3600.0
 T = TypeVar("T")
 
 
@@ -328,7 +330,7 @@ class ConsumerRuntime:
                         log.warning(
                             "consumer %s: parking seq %s: %s", self.consumer, batch.seq_range, error
                         )
-                        return [DeadLetter(batch.entries()[0], exc.code, error)]
+                        return [DeadLetter(batch.raw_entries()[0], exc.code, error)]
                     parked: list[DeadLetter] = []
                     for half in batch.split():
                         settled = await self._settle(half, epoch)
@@ -345,10 +347,11 @@ class ConsumerRuntime:
                         attempts,
                         error,
                     )
-                    return [DeadLetter(entry, exc.code, error) for entry in batch.entries()]
+                    return [DeadLetter(raw, exc.code, error) for raw in batch.raw_entries()]
                 delay = backoff.next_delay()
                 if exc.retry_after is not None:
-                    delay = max(delay, exc.retry_after)
+                    # Honoured, but a receiver asking for a day of silence does not get it.
+                    delay = max(delay, min(exc.retry_after, RETRY_AFTER_CEILING_SEC))
                 self.stats.retries += 1
                 log.warning(
                     "consumer %s: delivery of seq %s failed (attempt %d): %s; retrying in %.1fs",

@@ -8,6 +8,7 @@ import time
 import aiohttp
 
 from consumer.events import DeliveryError
+from consumer.redact import mask_secrets
 
 
 def client_session(timeout_sec: float) -> aiohttp.ClientSession:
@@ -46,7 +47,8 @@ async def raise_for_outcome(response: aiohttp.ClientResponse, what: str) -> str:
         return "delivered"
     if status == DELIVERED_CONFLICT:
         return "conflict_processed"
-    body = " ".join((await response.text(errors="replace")).split())[:300]
+    # Masked before it is cut short: a secret cut in two would escape its pattern.
+    body = mask_secrets(" ".join((await response.text(errors="replace")).split()))[:300]
     retryable = status >= 500 or status in RETRYABLE_4XX or status < 400
     raise DeliveryError(
         f"{what} answered HTTP {status}: {body}",

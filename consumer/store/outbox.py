@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
 from consumer.events import Batch, DeadLetter, Position
@@ -133,12 +133,28 @@ class OutboxStore:
                     {
                         "consumer": consumer,
                         "max_retries": max_retries,
-                        "parked": Jsonb(
-                            [
-                                {**d.entry, "errorCode": d.code, "errorMessage": d.message}
-                                for d in parked
-                            ]
-                        ),
+                        # Built from the entries' own JSON text: payloads stay exact.
+                        "parked": b"["
+                        + b",".join(
+                            b'{"entry":'
+                            + d.entry_json
+                            + b',"errorCode":'
+                            + orjson.dumps(d.code)
+                            + b',"errorMessage":'
+                            + orjson.dumps(d.message)
+                            + b"}"
+                            for d in parked
+                        )
+                        + b"]",
+                    },
+                )
+                # Parking is an error an operator should see in `serversync status`.
+                await conn.execute(
+                    query("record_error"),
+                    {
+                        "consumer": consumer,
+                        "epoch": epoch,
+                        "error": f"parked {len(parked)} event(s): {parked[0].message}"[:2000],
                     },
                 )
 

@@ -1,0 +1,215 @@
+"""The admin API of a consumer process (aiohttp): the dead-letter queue over HTTP (seed 004), and
+/healthz.
+
+Served on SYNC_HTTP_HOST:SYNC_HTTP_PORT only when SYNC_ADMIN_TOKEN is set (see
+wiring.serve_admin_api). Every /api/ route wants `Authorization: Bearer <SYNC_ADMIN_TOKEN>`;
+errors leave as {"error": {"code": "SYS_DLQ_...", "message": ...}}.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+import psycopg
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from consumer.deadletters import DeadLetters
+from consumer.store.dlq import (
+    DEFAULT_PAGE_SIZE,
+    DlqConflictError,
+    DlqError,
+    DlqNotFoundError,
+    DlqValidationError,
+)
+
+log = logging.getLogger("serversync.adminapi")
+
+SERVICE_KEY = web.AppKey("dead_letters", DeadLetters)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Seed 004's DlqError variants.
+NOT_FOUND = "SYS_DLQ_NOT_FOUND"
+VALIDATION_ERROR = "SYS_DLQ_VALIDATION_ERROR"
+CONFLICT = "SYS_DLQ_CONFLICT"
+INTERNAL_ERROR = "SYS_DLQ_INTERNAL_ERROR"
+UNAUTHORIZED = "SYS_DLQ_UNAUTHORIZED"
+
+_ERRORS: list[tuple[type[DlqError], int, str]] = [
+    (DlqNotFoundError, 404, NOT_FOUND),
+    (DlqValidationError, 400, VALIDATION_ERROR),
+    (DlqConflictError, 409, CONFLICT),
+]
+
+
+def error_response(status: int, code: str, message: str) -> web.Response:
+    """A JSON error body: {"error": {"code", "message"}}."""
+    return web.Response(
+        status=status,
+        body=orjson.dumps({"error": {"code": code, "message": message}}),
+        content_type="application/json",
+    )
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    """A JSON body serialised with orjson."""
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as JSON with a SYS_DLQ_ code, never as HTML or a traceback."""
+    try:
+        return await handler(request)
+    except DlqError as exc:
+        for kind, status, code in _ERRORS:
+            if isinstance(exc, kind):
+                return error_response(status, code, str(exc))
+        raise
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = NOT_FOUND if exc.status == 404 else f"HTTP_{exc.status}"
+        return error_response(exc.status, code, exc.reason)
+    except psycopg.OperationalError as exc:
+        log.warning(
+            "admin API: database unavailable in %s %s: %s", request.method, request.path, exc
+        )
+        return error_response(500, INTERNAL_ERROR, "database unavailable; retry later")
+    except Exception:
+        log.exception("admin API: unhandled error in %s %s", request.method, request.path)
+        return error_response(500, INTERNAL_ERROR, "internal error")
+
+
+def bearer_auth(token: str) -> Middleware:
+    """Refuse (401) every /api/ request without `Authorization: Bearer <token>`."""
+    expected = token.encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/api/"):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            # compare_digest: the time taken must not tell how much of a guess was right.
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), expected
+            ):
+                response = error_response(
+                    401, UNAUTHORIZED, "missing or wrong bearer token (SYNC_ADMIN_TOKEN)"
+                )
+                response.headers["WWW-Authenticate"] = 'Bearer realm="serversync"'
+                return response
+        return await handler(request)
+
+    return check
+
+
+def _int_param(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise DlqValidationError(f"{name} must be an integer, not {raw[:40]!r}") from None
+
+
+async def list_messages(request: web.Request) -> web.Response:
+    """GET /api/v1/dlq/{consumer}?page=&page_size=&status= : a page, newest first."""
+    page = await request.app[SERVICE_KEY].list_messages(
+        request.match_info["consumer"],
+        status=request.query.get("status"),
+        page=_int_param(request, "page", 1),
+        page_size=_int_param(request, "page_size", DEFAULT_PAGE_SIZE),
+    )
+    return json_response(
+        {
+            "messages": [m.to_dict() for m in page.messages],
+            "pagination": {
+                "total_count": page.total_count,
+                "page": page.page,
+                "page_size": page.page_size,
+                "has_next": page.has_next,
+            },
+        }
+    )
+
+
+async def get_message(request: web.Request) -> web.Response:
+    """GET /api/v1/dlq/messages/{id}."""
+    message = await request.app[SERVICE_KEY].get(request.match_info["id"])
+    return json_response(message.to_dict())
+
+
+async def retry_message(request: web.Request) -> web.Response:
+    """POST /api/v1/dlq/messages/{id}/retry: deliver the event again; 200 whether or not it got
+    through (the status says which), 409 for a RESOLVED or DEAD message."""
+    result = await request.app[SERVICE_KEY].retry(request.match_info["id"])
+    m = result.message
+    log.log(
+        logging.INFO if result.delivered else logging.WARNING,
+        "admin API: retry of dead letter %s (%s seq %d): %s",
+        m.id,
+        m.consumer,
+        m.seq,
+        result.describe(),
+    )
+    return json_response(
+        {
+            "id": str(result.message.id),
+            "status": result.message.status,
+            "message": result.describe(),
+        }
+    )
+
+
+async def delete_message(request: web.Request) -> web.Response:
+    """DELETE /api/v1/dlq/messages/{id}."""
+    message_id = request.match_info["id"]
+    await request.app[SERVICE_KEY].delete(message_id)
+    log.info("admin API: deleted dead letter %s", message_id)
+    return json_response({"success": True, "message": f"dead letter {message_id} deleted"})
+
+
+async def retry_all(request: web.Request) -> web.Response:
+    """POST /api/v1/dlq/{consumer}/retry-all: every retryable message, in pages of 100."""
+    consumer = request.match_info["consumer"]
+    result = await request.app[SERVICE_KEY].retry_all(consumer)
+    log.log(
+        logging.WARNING if result.failed else logging.INFO,
+        "admin API: retry-all of %s: %s",
+        consumer,
+        result.describe(),
+    )
+    return json_response(
+        {
+            "retried": result.retried,
+            "succeeded": result.succeeded,
+            "failed": result.failed,
+            "message": result.describe(),
+        }
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """The process is alive (no token needed)."""
+    return json_response({"status": "ok"})
+
+
+def build_admin_app(service: DeadLetters, *, token: str) -> web.Application:
+    """The admin API's aiohttp application."""
+    if not token:
+        raise ValueError("the admin API needs a token")
+    app = web.Application(middlewares=[json_errors, bearer_auth(token)])
+    app[SERVICE_KEY] = service
+    app.router.add_get("/healthz", healthz)
+    # /messages/ first (seed 004): else "messages" would be taken for a consumer's name.
+    app.router.add_get("/api/v1/dlq/messages/{id}", get_message)
+    app.router.add_post("/api/v1/dlq/messages/{id}/retry", retry_message)
+    app.router.add_delete("/api/v1/dlq/messages/{id}", delete_message)
+    app.router.add_get("/api/v1/dlq/{consumer}", list_messages)
+    app.router.add_post("/api/v1/dlq/{consumer}/retry-all", retry_all)
+    return app
