@@ -16,11 +16,14 @@ from typing import Any
 
 import aiohttp
 import psycopg
-from psycopg import sql
 
-from consumer import migrations
-from consumer.db import with_dbname
-from consumer.devdb import Server, free_port, locate_server, start_private_cluster
+from consumer.devdb import (
+    Server,
+    free_port,
+    fresh_database,
+    locate_server,
+    start_private_cluster,
+)
 from consumer.events import Position
 
 BACKEND_DB = "serversync_bench_backend"
@@ -45,24 +48,10 @@ class BenchEnv:
     workdir: Path
 
 
-async def _recreate(server_dsn: str, name: str) -> str:
-    conn = await psycopg.AsyncConnection.connect(server_dsn, autocommit=True)
-    async with conn:
-        await conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-        await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return with_dbname(server_dsn, name)
-
-
 async def fresh_databases(server: Server, workdir: Path) -> BenchEnv:
     """Recreate and migrate the bench's backend and receiver databases."""
-    backend = await _recreate(server.dsn, BACKEND_DB)
-    frontend = await _recreate(server.dsn, FRONTEND_DB)
-    for dsn, components in ((backend, ["backend", "voicebot"]), (frontend, ["receiver"])):
-        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-        async with conn:
-            await migrations.migrate(conn, components)
+    backend = await fresh_database(server.dsn, BACKEND_DB, ["backend", "voicebot"])
+    frontend = await fresh_database(server.dsn, FRONTEND_DB, ["receiver"])
     return BenchEnv(server, backend, frontend, workdir)
 
 

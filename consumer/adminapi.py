@@ -11,14 +11,13 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-import orjson
 import psycopg
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from consumer.deadletters import DeadLetters
+from consumer.httpjson import error_response, json_response
 from consumer.store.dlq import (
     DEFAULT_PAGE_SIZE,
     DlqConflictError,
@@ -44,20 +43,6 @@ _ERRORS: list[tuple[type[DlqError], int, str]] = [
     (DlqValidationError, 400, VALIDATION_ERROR),
     (DlqConflictError, 409, CONFLICT),
 ]
-
-
-def error_response(status: int, code: str, message: str) -> web.Response:
-    """A JSON error body: {"error": {"code", "message"}}."""
-    return web.Response(
-        status=status,
-        body=orjson.dumps({"error": {"code": code, "message": message}}),
-        content_type="application/json",
-    )
-
-
-def json_response(data: Any, status: int = 200) -> web.Response:
-    """A JSON body serialised with orjson."""
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
 @web.middleware
@@ -125,17 +110,7 @@ async def list_messages(request: web.Request) -> web.Response:
         page=_int_param(request, "page", 1),
         page_size=_int_param(request, "page_size", DEFAULT_PAGE_SIZE),
     )
-    return json_response(
-        {
-            "messages": [m.to_dict() for m in page.messages],
-            "pagination": {
-                "total_count": page.total_count,
-                "page": page.page,
-                "page_size": page.page_size,
-                "has_next": page.has_next,
-            },
-        }
-    )
+    return json_response(page.to_dict())
 
 
 async def get_message(request: web.Request) -> web.Response:

@@ -420,15 +420,7 @@ async def _dlq_action(service: DeadLetters, args: argparse.Namespace) -> int:
             args.consumer, status=args.status, page=args.page, page_size=args.page_size
         )
         if args.json:
-            body = {
-                "messages": [m.to_dict() for m in page.messages],
-                "pagination": {
-                    "total_count": page.total_count,
-                    "page": page.page,
-                    "page_size": page.page_size,
-                    "has_next": page.has_next,
-                },
-            }
+            body = page.to_dict()
             print(orjson.dumps(body, option=orjson.OPT_INDENT_2).decode())
             return 0
         which = f" with status {args.status.upper()}" if args.status else ""

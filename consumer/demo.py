@@ -20,11 +20,9 @@ from typing import Any
 
 import aiohttp
 import psycopg
-from psycopg import sql
 
-from consumer import migrations
-from consumer.db import mask_dsn, with_dbname
-from consumer.devdb import NoPostgresError, free_port, locate_server
+from consumer.db import mask_dsn
+from consumer.devdb import NoPostgresError, free_port, fresh_database, locate_server
 
 BACKEND_DB = "serversync_demo_backend"
 FRONTEND_DB = "serversync_demo_frontend"
@@ -32,22 +30,6 @@ FRONTEND_DB = "serversync_demo_frontend"
 
 def _say(message: str) -> None:
     print(f"==> {message}", flush=True)
-
-
-async def _recreate(server_dsn: str, name: str) -> str:
-    conn = await psycopg.AsyncConnection.connect(server_dsn, autocommit=True)
-    async with conn:
-        await conn.execute(
-            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-        )
-        await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return with_dbname(server_dsn, name)
-
-
-async def _migrate(dsn: str, components: list[str]) -> None:
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    async with conn:
-        await migrations.migrate(conn, components)
 
 
 async def _spawn(args: list[str], env: dict[str, str], log: Path) -> asyncio.subprocess.Process:
@@ -88,10 +70,8 @@ async def run_demo(calls: int = 5) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="serversync-demo-"))
     processes: list[asyncio.subprocess.Process] = []
     try:
-        backend = await _recreate(server.dsn, BACKEND_DB)
-        frontend = await _recreate(server.dsn, FRONTEND_DB)
-        await _migrate(backend, ["backend", "voicebot"])
-        await _migrate(frontend, ["receiver"])
+        backend = await fresh_database(server.dsn, BACKEND_DB, ["backend", "voicebot"])
+        frontend = await fresh_database(server.dsn, FRONTEND_DB, ["receiver"])
         _say(f"databases {BACKEND_DB} (backend) and {FRONTEND_DB} (receiver) migrated")
 
         port = free_port()

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
+from psycopg import sql
+
+from consumer import migrations
+from consumer.db import with_dbname
 
 LOCAL_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 
@@ -198,3 +202,21 @@ def locate_server(*, allow_private: bool = True) -> Server:
         tempfile.mkdtemp(prefix="serversync-pgserver-"), cleanup_mode="delete"
     )
     return Server(embedded.get_uri(), embedded=embedded)
+
+
+async def fresh_database(server_dsn: str, name: str, components: list[str]) -> str:
+    """Drop and create database `name` on the server, apply `components`' migrations; its DSN.
+
+    For the demo and the bench, which start from a clean slate on every run.
+    """
+    conn = await psycopg.AsyncConnection.connect(server_dsn, autocommit=True)
+    async with conn:
+        await conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+        await conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dsn = with_dbname(server_dsn, name)
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        await migrations.migrate(conn, components)
+    return dsn

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import orjson
 import psycopg
@@ -13,6 +12,7 @@ from aiohttp.typedefs import Middleware
 from pydantic import ValidationError
 
 from consumer import signing
+from consumer.httpjson import error_response, json_response
 from consumer.receiver.models import INGEST_REQUEST, describe
 from consumer.receiver.store import EntityStore
 
@@ -21,20 +21,6 @@ log = logging.getLogger("serversync.receiver")
 STORE_KEY = web.AppKey("store", EntityStore)
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def error_response(status: int, code: str, message: str, **extra: Any) -> web.Response:
-    """A JSON error body: {"error": {"code", "message", ...}}."""
-    return web.Response(
-        status=status,
-        body=orjson.dumps({"error": {"code": code, "message": message, **extra}}),
-        content_type="application/json",
-    )
-
-
-def json_response(data: Any, status: int = 200) -> web.Response:
-    """A JSON body serialised with orjson."""
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
 @web.middleware

@@ -132,6 +132,18 @@ class DlqPage:
         """Whether a later page holds more messages."""
         return self.page * self.page_size < self.total_count
 
+    def to_dict(self) -> dict[str, Any]:
+        """The page as the admin API and `dlq list --json` show it."""
+        return {
+            "messages": [m.to_dict() for m in self.messages],
+            "pagination": {
+                "total_count": self.total_count,
+                "page": self.page,
+                "page_size": self.page_size,
+                "has_next": self.has_next,
+            },
+        }
+
 
 def parse_id(value: str) -> uuid.UUID:
     """A message id from user input, or DlqValidationError."""
