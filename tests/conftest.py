@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -26,6 +28,7 @@ from consumer.runtime.worker import ConsumerRuntime
 from consumer.settings import SyncSettings
 from consumer.wiring import consumer_runtime, open_pool
 
+ROOT = Path(__file__).resolve().parent.parent
 BACKEND_COMPONENTS = ["backend", "voicebot"]
 RECEIVER_COMPONENTS = ["receiver"]
 
@@ -215,3 +218,29 @@ async def fetch_value(dsn: str, query: Any, params: Any = None) -> Any:
     """The first column of the first row of one query."""
     rows = await fetch_all(dsn, query, params)
     return rows[0][0] if rows else None
+
+
+def cli_env(**variables: str) -> dict[str, str]:
+    """This process's environment without any serversync setting, plus `variables`."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key != "DATABASE_URL" and not key.startswith(("SYNC_", "FRONTEND_", "INGEST_"))
+    }
+    env.update(variables)
+    return env
+
+
+async def start_cli(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    """Start `serversync ARGS...` (as `python -m consumer`) with stdout and stderr piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "consumer",
+        *args,
+        env=env,
+        cwd=ROOT,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )

@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
 import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -220,32 +218,6 @@ async def seqs_by_caller(dsn: str) -> dict[str, int]:
 
 
 # -- `serversync ingest-server` as a process ------------------------------------------------------
-
-
-def cli_env(**variables: str) -> dict[str, str]:
-    """This process's environment without any serversync setting, plus `variables`."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key != "DATABASE_URL" and not key.startswith(("SYNC_", "FRONTEND_", "INGEST_"))
-    }
-    env.update(variables)
-    return env
-
-
-async def start_serversync(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
-    """`python -m consumer ARGS...` with stdout and stderr piped."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "consumer",
-        *args,
-        env=env,
-        cwd=ROOT,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
 
 
 async def finish(process: asyncio.subprocess.Process, timeout: float) -> tuple[int, str, str]:

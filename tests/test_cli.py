@@ -8,7 +8,6 @@ import contextlib
 import os
 import re
 import socket
-import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -28,10 +27,12 @@ from consumer.db import with_dbname
 from consumer.devdb import Server, free_port
 from tests.conftest import (
     Databases,
+    cli_env,
     fetch_all,
     fetch_value,
     make_settings,
     running_consumer,
+    start_cli,
     wait_until,
 )
 
@@ -50,32 +51,6 @@ class CliResult:
     code: int
     stdout: str
     stderr: str
-
-
-def cli_env(**variables: str) -> dict[str, str]:
-    """This process's environment without any serversync setting, plus `variables`."""
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key != "DATABASE_URL" and not key.startswith(("SYNC_", "FRONTEND_", "INGEST_"))
-    }
-    env.update(variables)
-    return env
-
-
-async def start_cli(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
-    """Start `serversync ARGS...` (as `python -m consumer`)."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "consumer",
-        *args,
-        env=env,
-        cwd=ROOT,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
 
 
 async def finish(process: asyncio.subprocess.Process, timeout: float = 60.0) -> CliResult:

@@ -23,13 +23,12 @@ from aiohttp import web
 from consumer.devdb import free_port
 from consumer.settings import SyncSettings
 from consumer.wiring import serve_admin_api
-from tests.conftest import fetch_all, make_settings, running_consumer, wait_until
+from tests.conftest import cli_env, fetch_all, make_settings, running_consumer, wait_until
 from tests.helpers_processes import launcher
 from tests.test_cli import (
     CliResult,
     assert_ok,
     assert_one_line_error,
-    cli_env,
     run_cli,
     run_many,
 )

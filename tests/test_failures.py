@@ -37,7 +37,15 @@ from consumer.store import admin
 from consumer.store.outbox import OutboxStore
 from consumer.telemetry import JsonFormatter, TextFormatter
 from consumer.wiring import open_pool
-from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer, wait_until
+from tests.conftest import (
+    cli_env,
+    fetch_all,
+    fetch_value,
+    make_settings,
+    running_consumer,
+    start_cli,
+    wait_until,
+)
 from tests.helpers_failures import (
     CONSUMER,
     INGEST_PATH,
@@ -45,7 +53,6 @@ from tests.helpers_failures import (
     URL_PASSWORD,
     Attempt,
     Reply,
-    cli_env,
     committed_position,
     dlq,
     finish,
@@ -54,7 +61,6 @@ from tests.helpers_failures import (
     seqs_by_caller,
     serve_reference_receiver,
     serve_scripted_receiver,
-    start_serversync,
 )
 from tests.helpers_processes import insert_calls, outbox_end
 
@@ -642,7 +648,7 @@ async def test_a_consumer_with_a_wrong_secret_gets_401_and_parks_every_event(
 async def test_ingest_server_refuses_to_start_without_a_shared_secret(receiver_dsn: str) -> None:
     port = free_port()
     env = cli_env(FRONTEND_DATABASE_URL=receiver_dsn, INGEST_PORT=str(port))
-    code, out, err = await finish(await start_serversync("ingest-server", env=env), timeout=30)
+    code, out, err = await finish(await start_cli("ingest-server", env=env), timeout=30)
     assert code == 1, err
     assert "Traceback" not in err
     lines = err.strip().splitlines()
@@ -680,7 +686,7 @@ async def test_ingest_server_starts_serves_and_stops_on_sigterm(
         args.append("--insecure")
     else:
         variables["SYNC_SHARED_SECRET"] = SECRET
-    process = await start_serversync(*args, env=cli_env(**variables))
+    process = await start_cli(*args, env=cli_env(**variables))
     async with reaped(process), aiohttp.ClientSession() as session:
         await wait_until(
             lambda: _healthy(process, session, url), timeout=30, what="the ingest-server to start"
