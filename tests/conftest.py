@@ -50,7 +50,7 @@ async def wait_until(
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval)  # poll again until the deadline
 
 
 class Databases:

@@ -138,10 +138,10 @@ class FaultReceiver:
             self._waiters.append(waiter)
             accept = await waiter
         if item.index in self.slow:
-            await asyncio.sleep(self.slow[item.index])
+            await asyncio.sleep(self.slow[item.index])  # a slow receiver, not waiting until
         low, high = self.latency
         if high > 0:
-            await asyncio.sleep(random.uniform(low, high))
+            await asyncio.sleep(random.uniform(low, high))  # simulated latency, not waiting until
         if accept and self.fail_remaining > 0:
             self.fail_remaining -= 1
             accept = False
