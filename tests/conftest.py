@@ -152,19 +152,26 @@ def receiver_dsn(databases: Databases) -> str:
 
 
 @contextlib.asynccontextmanager
+async def serve_app(app: web.Application, *, shutdown_timeout: float = 60.0) -> AsyncIterator[str]:
+    """`app` on a free loopback port until the block ends; yields its base URL."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def serve_receiver(receiver_dsn: str) -> AsyncIterator[str]:
     """The reference receiver on a free loopback port; yields its base URL."""
-    async with open_pool(receiver_dsn, "test-ingest", max_size=4) as pool:
-        app = build_app(EntityStore(pool), max_body_bytes=1024 * 1024)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            await runner.cleanup()
+    async with (
+        open_pool(receiver_dsn, "test-ingest", max_size=4) as pool,
+        serve_app(build_app(EntityStore(pool), max_body_bytes=1024 * 1024)) as url,
+    ):
+        yield url
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from aiohttp import web
 from consumer.receiver.app import build_app
 from consumer.receiver.store import EntityStore
 from consumer.wiring import open_pool
-from tests.conftest import fetch_all
+from tests.conftest import fetch_all, serve_app
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSUMER = "frontend-sync"
@@ -159,14 +159,8 @@ async def serve_reference_receiver(
     async with open_pool(receiver_dsn, "test-ingest", max_size=4) as pool:
         store = CountingStore(pool)
         app = build_app(store, max_body_bytes=1024 * 1024, shared_secret=shared_secret)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}", store
-        finally:
-            await runner.cleanup()
+        async with serve_app(app) as url:
+            yield url, store
 
 
 # -- the backend side ---------------------------------------------------------------------------

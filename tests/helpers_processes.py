@@ -22,7 +22,7 @@ import orjson
 import psycopg
 from aiohttp import web
 
-from tests.conftest import fetch_all, wait_until
+from tests.conftest import fetch_all, serve_app, wait_until
 
 CONSUMER = "frontend-sync"
 INGEST_PATH = "/api/ingest/sync"
@@ -159,16 +159,13 @@ async def serve_fault_receiver() -> AsyncIterator[FaultReceiver]:
     receiver = FaultReceiver()
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post(INGEST_PATH, receiver.handle)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    receiver.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        yield receiver
-    finally:
-        receiver.release()
-        await runner.cleanup()
+    async with serve_app(app, shutdown_timeout=1.0) as url:
+        receiver.url = url
+        try:
+            yield receiver
+        finally:
+            # Held requests must end before the server can shut down.
+            receiver.release()
 
 
 # -- consumer processes ------------------------------------------------------------------------

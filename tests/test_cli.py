@@ -32,6 +32,7 @@ from tests.conftest import (
     fetch_value,
     make_settings,
     running_consumer,
+    serve_app,
     start_cli,
     wait_until,
 )
@@ -116,14 +117,8 @@ async def recording_receiver() -> AsyncIterator[tuple[str, Recorder]]:
     recorder = Recorder()
     app = web.Application()
     app.router.add_post("/api/ingest/sync", recorder.ingest)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", recorder
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url, recorder
 
 
 # -- backend data --------------------------------------------------------------------------------

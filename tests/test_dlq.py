@@ -23,7 +23,14 @@ from aiohttp import web
 from consumer.devdb import free_port
 from consumer.settings import SyncSettings
 from consumer.wiring import serve_admin_api
-from tests.conftest import cli_env, fetch_all, make_settings, running_consumer, wait_until
+from tests.conftest import (
+    cli_env,
+    fetch_all,
+    make_settings,
+    running_consumer,
+    serve_app,
+    wait_until,
+)
 from tests.helpers_processes import launcher
 from tests.test_cli import (
     CliResult,
@@ -97,15 +104,9 @@ async def scripted_receiver() -> AsyncIterator[ScriptedReceiver]:
     receiver = ScriptedReceiver()
     app = web.Application()
     app.router.add_post("/api/ingest/sync", receiver.handle)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    receiver.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with serve_app(app, shutdown_timeout=1.0) as url:
+        receiver.url = url
         yield receiver
-    finally:
-        await runner.cleanup()
 
 
 # -- parking events ------------------------------------------------------------------------------
