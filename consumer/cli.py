@@ -23,6 +23,7 @@ from consumer.wiring import (
     StartupError,
     connect_or_explain,
     dlq_sinks,
+    open_pool,
     run_consumer,
     run_ingest_server,
 )
@@ -350,9 +351,13 @@ async def _offsets(settings: SyncSettings, args: argparse.Namespace) -> int:
 
 
 async def _dlq(settings: SyncSettings, args: argparse.Namespace) -> int:
-    async with await connect_or_explain(settings.database_url, "dlq", "DATABASE_URL") as conn:
+    async with (
+        await connect_or_explain(settings.database_url, "dlq", "DATABASE_URL") as conn,
+        # recording-upload's sink reads and marks recordings rows while a message is retried.
+        open_pool(settings.database_url, "dlq", max_size=2) as pool,
+    ):
         await _require_schema(conn)
-        service = DeadLetters(DlqStore.over_connection(conn), dlq_sinks(settings))
+        service = DeadLetters(DlqStore.over_connection(conn), dlq_sinks(settings, pool=pool))
         try:
             return await _dlq_action(service, args)
         finally:

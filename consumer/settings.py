@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, TypeVar
 
 from pydantic import AliasChoices, Field, HttpUrl, ValidationError, field_validator
@@ -70,6 +71,10 @@ class SyncSettings(_Base):
     shutdown_timeout_sec: float = Field(
         5.0, gt=0, le=300, validation_alias="SYNC_SHUTDOWN_TIMEOUT_SEC"
     )
+    # recording-upload: where the backend keeps <callId>/mixed.wav and meta.json.
+    recordings_dir: Path = Field(Path("storage/recordings"), validation_alias="RECORDINGS_DIR")
+    # recording-upload: uploads in flight at once (the offset still moves in order).
+    upload_concurrency: int = Field(4, ge=1, le=64, validation_alias="SYNC_UPLOAD_CONCURRENCY")
 
     @property
     def frontend_url(self) -> str:
@@ -88,6 +93,16 @@ class ReceiverSettings(_Base):
     # Without a secret the receiver only starts with --insecure (local demos).
     shared_secret: str | None = Field(None, min_length=16, validation_alias="SYNC_SHARED_SECRET")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, validation_alias="INGEST_MAX_BODY_BYTES")
+    # Uploaded recordings land here, as <callLogId>/<recordingId>.wav and .meta.json.
+    recordings_store_dir: Path = Field(
+        Path("storage/frontend-recordings"), validation_alias="RECORDINGS_STORE_DIR"
+    )
+    # The largest recording the receiver takes (larger uploads get 413 and are parked).
+    max_recording_bytes: int = Field(
+        1024 * 1024 * 1024, ge=1024, validation_alias="INGEST_MAX_RECORDING_BYTES"
+    )
+    # The base of the fileUrl answered for an upload; by default the URL the request came to.
+    public_base_url: HttpUrl | None = Field(None, validation_alias="INGEST_PUBLIC_BASE_URL")
 
 
 def _one_line(exc: ValidationError, model: type[BaseSettings]) -> str:

@@ -20,19 +20,23 @@ from consumer.db import connect, connect_kwargs, mask_dsn
 from consumer.deadletters import DeadLetters, SinkFactory
 from consumer.events import Sink
 from consumer.receiver.app import build_app
+from consumer.receiver.recordings import RecordingFiles
 from consumer.receiver.store import EntityStore
 from consumer.runtime.wakeup import NotifyListener
 from consumer.runtime.worker import ConsumerRuntime, RuntimeConfig
 from consumer.settings import ConfigError, ReceiverSettings, SyncSettings
 from consumer.sinks.frontend_sync import FrontendSyncSink
+from consumer.sinks.local_recordings import RecordingsDir
 from consumer.sinks.null import NullSink
+from consumer.sinks.recording_upload import RecordingUploadSink
 from consumer.store.dlq import DlqStore
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import OutboxStore
+from consumer.store.recordings import RecordingStore
 
 log = logging.getLogger("serversync")
 
-CONSUMERS = ("frontend-sync",)
+CONSUMERS = ("frontend-sync", "recording-upload")
 SINKS = ("default", "null")
 
 
@@ -73,8 +77,15 @@ async def check_database(dsn: str, components: list[str], what: str) -> None:
                 )
 
 
-def make_sink(consumer: str, settings: SyncSettings, sink: str = "default") -> Sink:
-    """The sink a consumer delivers to."""
+def make_sink(
+    consumer: str,
+    settings: SyncSettings,
+    sink: str = "default",
+    *,
+    pool: AsyncConnectionPool[Any] | None = None,
+) -> Sink:
+    """The sink a consumer delivers to (`pool`: the backend database, for sinks that update
+    it)."""
     if sink == "null":
         return NullSink()
     if consumer == "frontend-sync":
@@ -82,6 +93,17 @@ def make_sink(consumer: str, settings: SyncSettings, sink: str = "default") -> S
             settings.frontend_url,
             timeout_sec=settings.timeout_sec,
             shared_secret=settings.shared_secret,
+        )
+    if consumer == "recording-upload":
+        if pool is None:
+            raise StartupError("recording-upload needs a connection pool to the backend database")
+        return RecordingUploadSink(
+            settings.frontend_url,
+            ledger=RecordingStore(pool),
+            recordings=RecordingsDir(settings.recordings_dir),
+            timeout_sec=settings.timeout_sec,
+            shared_secret=settings.shared_secret,
+            concurrency=settings.upload_concurrency,
         )
     raise StartupError(f"unknown consumer {consumer!r} (known: {', '.join(CONSUMERS)})")
 
@@ -139,7 +161,7 @@ async def consumer_runtime(
         yield ConsumerRuntime(
             consumer,
             store=OutboxStore(pool),
-            sink=make_sink(consumer, settings, sink),
+            sink=make_sink(consumer, settings, sink, pool=pool),
             lock=LeaderLock(dsn, consumer),
             listener=NotifyListener(dsn, consumer) if settings.listen else None,
             config=runtime_config(settings),
@@ -155,6 +177,8 @@ def _install_stop_handlers(stop: Callable[[], object]) -> None:
 async def run_consumer(settings: SyncSettings, consumer: str, sink: str = "default") -> None:
     """`serversync run CONSUMER`: until SIGTERM/SIGINT."""
     await check_database(settings.database_url, ["backend"], "DATABASE_URL")
+    if consumer == "recording-upload" and sink != "null":
+        await check_recording_upload(settings)
     async with (
         consumer_runtime(settings, consumer, sink) as runtime,
         serve_admin_api(settings, sink),
@@ -171,13 +195,28 @@ async def run_consumer(settings: SyncSettings, consumer: str, sink: str = "defau
     log.info("consumer %s stopped", consumer)
 
 
-def dlq_sinks(settings: SyncSettings, sink: str = "default") -> SinkFactory:
+async def check_recording_upload(settings: SyncSettings) -> None:
+    """Fail at start, not on the first recording, when recording-upload cannot work here."""
+    problem = RecordingsDir(settings.recordings_dir).check()
+    if problem is not None:
+        raise StartupError(f"{problem} (set RECORDINGS_DIR to the backend's recordings folder)")
+    async with open_pool(settings.database_url, "check", max_size=1) as pool:
+        if not await RecordingStore(pool).table_present():
+            raise StartupError(
+                "DATABASE_URL has no public.recordings table: recording-upload needs the "
+                "voicebot schema (`serversync migrate` without --core-only)"
+            )
+
+
+def dlq_sinks(
+    settings: SyncSettings, sink: str = "default", *, pool: AsyncConnectionPool[Any] | None = None
+) -> SinkFactory:
     """Makes the sink of a parked event's consumer, for retries from the dead-letter queue."""
 
     def make(consumer: str) -> Sink:
         if consumer not in CONSUMERS:
             raise LookupError(f"no such consumer in this build (known: {', '.join(CONSUMERS)})")
-        return make_sink(consumer, settings, sink)
+        return make_sink(consumer, settings, sink, pool=pool)
 
     return make
 
@@ -196,7 +235,7 @@ async def serve_admin_api(
         return
     # A pool of its own: operator requests never wait behind the delivery loop's connections.
     async with open_pool(settings.database_url, "admin", max_size=2) as pool:
-        service = DeadLetters(DlqStore.over_pool(pool), dlq_sinks(settings, sink))
+        service = DeadLetters(DlqStore.over_pool(pool), dlq_sinks(settings, sink, pool=pool))
         runner = web.AppRunner(
             build_admin_app(service, token=token),
             access_log=None,
@@ -234,11 +273,24 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
     dsn = settings.frontend_database_url
     async with await connect_or_explain(dsn, "ingest-migrate", "FRONTEND_DATABASE_URL") as conn:
         await migrations.migrate(conn, ["receiver"])
+    recordings = RecordingFiles(
+        settings.recordings_store_dir,
+        max_bytes=settings.max_recording_bytes,
+        public_base_url=str(settings.public_base_url) if settings.public_base_url else None,
+    )
+    try:
+        await asyncio.to_thread(recordings.prepare)
+    except OSError as exc:
+        raise StartupError(
+            f"cannot use RECORDINGS_STORE_DIR {settings.recordings_store_dir}: "
+            f"{exc.strerror or exc}"
+        ) from None
     async with open_pool(dsn, "ingest", max_size=8) as pool:
         app = build_app(
             EntityStore(pool),
             max_body_bytes=settings.max_body_bytes,
             shared_secret=settings.shared_secret,
+            recordings=recordings,
         )
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()

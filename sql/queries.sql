@@ -243,6 +243,23 @@ FROM jsonb_array_elements(convert_from(%(parked)s, 'UTF8')::jsonb) AS p(item),
         "createdAt" timestamptz)
 ON CONFLICT (consumer, seq) DO NOTHING;
 
+-- recording-upload --------------------------------------------------------------------------
+-- The backend's recordings rows (sql/voicebot), read and marked by the recording-upload sink.
+
+-- name: recordings_table
+SELECT to_regclass('public.recordings') IS NOT NULL AS present;
+
+-- name: recording_get
+SELECT id::text, call_log_id::text, file_path, upload_status, s3_url
+  FROM public.recordings
+ WHERE id = %(id)s::uuid;
+
+-- name: recording_mark_uploaded
+-- Only a row not marked yet: a replay neither rewrites the row nor sends a new event about it.
+UPDATE public.recordings
+   SET upload_status = 'uploaded', s3_url = %(file_url)s, updated_at = now()
+ WHERE id = %(id)s::uuid AND upload_status <> 'uploaded';
+
 -- name: dlq_count
 SELECT count(*)
 FROM sync.dlq_messages

@@ -23,6 +23,7 @@ from consumer import migrations
 from consumer.db import with_dbname
 from consumer.devdb import PrivateCluster, Server, locate_server, start_private_cluster
 from consumer.receiver.app import build_app
+from consumer.receiver.recordings import RecordingFiles
 from consumer.receiver.store import EntityStore
 from consumer.runtime.worker import ConsumerRuntime
 from consumer.settings import SyncSettings
@@ -165,13 +166,25 @@ async def serve_app(app: web.Application, *, shutdown_timeout: float = 60.0) -> 
 
 
 @contextlib.asynccontextmanager
-async def serve_receiver(receiver_dsn: str) -> AsyncIterator[str]:
-    """The reference receiver on a free loopback port; yields its base URL."""
-    async with (
-        open_pool(receiver_dsn, "test-ingest", max_size=4) as pool,
-        serve_app(build_app(EntityStore(pool), max_body_bytes=1024 * 1024)) as url,
-    ):
-        yield url
+async def serve_receiver(
+    receiver_dsn: str,
+    *,
+    recordings: RecordingFiles | None = None,
+    shared_secret: str | None = None,
+) -> AsyncIterator[str]:
+    """The reference receiver on a free loopback port; yields its base URL. With `recordings`
+    it also takes recording uploads (and serves them)."""
+    if recordings is not None:
+        recordings.prepare()
+    async with open_pool(receiver_dsn, "test-ingest", max_size=4) as pool:
+        app = build_app(
+            EntityStore(pool),
+            max_body_bytes=1024 * 1024,
+            shared_secret=shared_secret,
+            recordings=recordings,
+        )
+        async with serve_app(app) as url:
+            yield url
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from consumer import signing
 from consumer.httpjson import error_response, json_response
 from consumer.receiver.models import INGEST_REQUEST, describe
+from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles, add_routes
 from consumer.receiver.store import EntityStore
 
 log = logging.getLogger("serversync.receiver")
@@ -98,7 +99,8 @@ def signature_check(secret: str) -> Middleware:
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/api/ingest/"):
+        # A recording upload is streamed and checks its own signature, over its digests.
+        if request.path.startswith("/api/ingest/") and request.path != UPLOAD_PATH:
             body = await request.read()  # aiohttp keeps it for the handler
             problem = signing.verify(
                 secret,
@@ -115,10 +117,15 @@ def signature_check(secret: str) -> Middleware:
 
 
 def build_app(
-    store: EntityStore, *, max_body_bytes: int, shared_secret: str | None = None
+    store: EntityStore,
+    *,
+    max_body_bytes: int,
+    shared_secret: str | None = None,
+    recordings: RecordingFiles | None = None,
 ) -> web.Application:
     """The receiver's aiohttp application; without `shared_secret` it accepts unsigned requests
-    (the CLI allows that only with --insecure)."""
+    (the CLI allows that only with --insecure). With `recordings` it also takes recording
+    uploads and serves them."""
     middlewares: list[Middleware] = [json_errors]
     if shared_secret:
         middlewares.append(signature_check(shared_secret))
@@ -128,4 +135,6 @@ def build_app(
     app.router.add_post("/api/ingest/sync", ingest_sync)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    if recordings is not None:
+        add_routes(app, recordings, shared_secret)
     return app

@@ -1,0 +1,221 @@
+"""recording-upload: ship each pending call recording to the frontend, then free the disk.
+
+For every `recording` event whose row still says upload_status='pending', in this order:
+1. POST the files as multipart to $FRONTEND_BASE_URL/api/ingest/recording-file (streamed from
+   disk) and check that the receiver kept exactly these bytes (its answer names their SHA-256);
+2. mark the row uploaded with the answered fileUrl (the change flows on through frontend-sync);
+3. delete the local <callId>/ folder.
+Only then does the runtime move the offset. A crash between any two steps is repaired by doing
+the batch again: the receiver is idempotent by recordingId, a row already marked is not uploaded
+again, and a folder already gone is not an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+import orjson
+
+from consumer import failpoints
+from consumer.events import Batch, DeliveryError
+from consumer.recordings import PENDING, UPLOADED, RecordingLedger, RecordingRow
+from consumer.signing import recording_file_message, sign
+from consumer.sinks.http import client_session, raise_for_outcome
+from consumer.sinks.local_recordings import LocalRecording, PreparedUpload, RecordingsDir
+
+log = logging.getLogger("serversync.recording_upload")
+
+UPLOAD_PATH = "/api/ingest/recording-file"
+RECORDING_ENTITY = "recording"
+# An upload may take SYNC_TIMEOUT_SEC plus the time to send the file at this rate (bytes/s):
+# a 100 MB file is not cut off by a 30 s timeout meant for small requests, and a stalled upload
+# still ends.
+MIN_UPLOAD_RATE = 1024 * 1024
+
+
+def wants(entry: dict[str, Any]) -> bool:
+    """Whether an outbox entry may need an upload: a recording written as pending."""
+    payload = entry.get("payload")
+    return (
+        entry.get("entityType") == RECORDING_ENTITY
+        and entry.get("op") == "upsert"
+        and isinstance(payload, dict)
+        and payload.get("upload_status") == PENDING
+    )
+
+
+class RecordingUploadSink:
+    """Uploads the recordings of a batch, a bounded number at a time."""
+
+    name = "recording-upload"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        ledger: RecordingLedger,
+        recordings: RecordingsDir,
+        timeout_sec: float,
+        shared_secret: str | None = None,
+        concurrency: int = 4,
+    ) -> None:
+        self.url = base_url.rstrip("/") + UPLOAD_PATH
+        self.ledger = ledger
+        self.recordings = recordings
+        self._timeout = timeout_sec
+        self._secret = shared_secret
+        self._slots = asyncio.Semaphore(concurrency)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Open the HTTP session."""
+        self._session = client_session(self._timeout)
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def deliver(self, batch: Batch) -> None:
+        """Handle every pending recording of the batch; the batch is done when all are.
+
+        Recordings are uploaded concurrently, but the call returns only when each one is done,
+        so the offset never passes an event whose recording is still in flight. A refused
+        recording is raised first (the runtime then narrows the batch down and parks just it);
+        otherwise the first retryable failure is raised and the batch is tried again later.
+        """
+        ids = list(dict.fromkeys(entry["entityId"] for entry in batch.entries() if wants(entry)))
+        if not ids:
+            return
+        outcomes = await asyncio.gather(*(self._handle(rid) for rid in ids), return_exceptions=True)
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, DeliveryError):
+                raise failure
+        refused = [f for f in failures if isinstance(f, DeliveryError) and not f.retryable]
+        if refused:
+            raise refused[0]
+        if failures:
+            raise failures[0]
+
+    async def _handle(self, recording_id: str) -> None:
+        async with self._slots:
+            row = await self.ledger.recording(recording_id)
+            if row is None:
+                log.info("recording %s: row deleted; nothing to upload", recording_id)
+                return
+            if row.upload_status == UPLOADED:
+                await self._remove_leftover(row)
+                return
+            if row.upload_status != PENDING:
+                log.info("recording %s: status %s; skipped", recording_id, row.upload_status)
+                return
+            local = self.recordings.locate(row.file_path)
+            prepared = await asyncio.to_thread(self.recordings.prepare, local)
+            file_url = await self._upload(row, local, prepared)
+            failpoints.reach("recording-upload.after-upload")
+            await self.ledger.mark_uploaded(recording_id, file_url)
+            failpoints.reach("recording-upload.after-mark")
+            await self._remove(local, recording_id)
+            log.info(
+                "recording %s: uploaded %d bytes to %s; local folder deleted",
+                recording_id,
+                prepared.audio_size,
+                file_url,
+                extra={"recording_id": recording_id, "file_url": file_url},
+            )
+
+    async def _remove_leftover(self, row: RecordingRow) -> None:
+        """A row already uploaded: its folder may outlive a crash between marking and deleting."""
+        try:
+            local = self.recordings.locate(row.file_path)
+        except DeliveryError as exc:
+            # Uploaded, but its path is not one we may touch: leave it, say so, do not park.
+            log.warning("recording %s: uploaded; local copy left alone: %s", row.id, exc)
+            return
+        if await self._remove(local, row.id):
+            log.info("recording %s: already uploaded; deleted the folder left behind", row.id)
+
+    async def _remove(self, local: LocalRecording, recording_id: str) -> bool:
+        try:
+            return await asyncio.to_thread(self.recordings.remove, local)
+        except OSError as exc:
+            raise DeliveryError(
+                f"recording {recording_id}: uploaded and marked, but deleting {local.folder} "
+                f"failed: {exc.strerror or exc}",
+                code="RECORDING_DELETE_FAILED",
+            ) from None
+
+    async def _upload(
+        self, row: RecordingRow, local: LocalRecording, prepared: PreparedUpload
+    ) -> str:
+        """POST the recording; the fileUrl the receiver keeps it at."""
+        assert self._session is not None, "start() first"
+        headers = {
+            "Idempotency-Key": f"{self.name}:{row.id}",
+            **sign(
+                self._secret,
+                recording_file_message(
+                    row.call_log_id, row.id, prepared.audio_sha256, prepared.meta_sha256
+                ),
+            ),
+        }
+        timeout = aiohttp.ClientTimeout(total=self._timeout + prepared.audio_size / MIN_UPLOAD_RATE)
+        try:
+            audio = await asyncio.to_thread(local.audio.open, "rb")
+        except OSError as exc:
+            raise DeliveryError(
+                f"cannot read {local.audio}: {exc.strerror or exc}",
+                retryable=False,
+                code="RECORDING_FILE_UNREADABLE",
+            ) from None
+        try:
+            form = aiohttp.FormData()
+            form.add_field("callLogId", row.call_log_id, content_type="text/plain")
+            form.add_field("recordingId", row.id, content_type="text/plain")
+            # aiohttp streams a file object in 64 KiB reads from a thread: never all in memory.
+            form.add_field(
+                "audio", audio, filename=local.audio.name, content_type="application/octet-stream"
+            )
+            form.add_field(
+                "meta", prepared.meta_json, filename="meta.json", content_type="application/json"
+            )
+            async with self._session.post(
+                self.url, data=form, headers=headers, timeout=timeout
+            ) as response:
+                await raise_for_outcome(response, f"POST {self.url}")
+                body = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise DeliveryError(
+                f"POST {self.url} failed: {type(exc).__name__}: {exc}", code="NETWORK_ERROR"
+            ) from exc
+        finally:
+            audio.close()
+        return self._confirmed_url(body, prepared)
+
+    def _confirmed_url(self, body: bytes, prepared: PreparedUpload) -> str:
+        """The fileUrl of an answer that confirms the receiver holds exactly our bytes."""
+        try:
+            answer = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            answer = None
+        file_url = answer.get("fileUrl") if isinstance(answer, dict) else None
+        if not isinstance(file_url, str) or not file_url.startswith(("http://", "https://")):
+            raise DeliveryError(
+                f"POST {self.url} answered without a fileUrl: {body[:200]!r}", code="BAD_RESPONSE"
+            )
+        assert isinstance(answer, dict)
+        # The contract only promises fileUrl; a receiver that also names what it stored (ours
+        # does) must name our bytes, or the local copy is not deleted on its word.
+        for field, sent in (("sha256", prepared.audio_sha256), ("size", prepared.audio_size)):
+            if field in answer and answer[field] != sent:
+                raise DeliveryError(
+                    f"POST {self.url} stored a file with {field} {answer[field]!r}, "
+                    f"not the {sent!r} sent",
+                    code="UPLOAD_UNCONFIRMED",
+                )
+        return file_url
