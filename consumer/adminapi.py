@@ -1,9 +1,8 @@
-"""The admin API of a consumer process (aiohttp): the dead-letter queue over HTTP (seed 004), and
-/healthz.
+"""The admin API of a consumer process (aiohttp): the dead-letter queue over HTTP (seed 004).
 
-Served on SYNC_HTTP_HOST:SYNC_HTTP_PORT only when SYNC_ADMIN_TOKEN is set (see
-wiring.serve_admin_api). Every /api/ route wants `Authorization: Bearer <SYNC_ADMIN_TOKEN>`;
-errors leave as {"error": {"code": "SYS_DLQ_...", "message": ...}}.
+Mounted on the process's HTTP port (opshttp) only when SYNC_ADMIN_TOKEN is set. Every /api/
+route wants `Authorization: Bearer <SYNC_ADMIN_TOKEN>`; errors leave as
+{"error": {"code": "SYS_DLQ_...", "message": ...}}.
 """
 
 from __future__ import annotations
@@ -174,17 +173,23 @@ async def healthz(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
 
 
-def build_admin_app(service: DeadLetters, *, token: str) -> web.Application:
-    """The admin API's aiohttp application."""
-    if not token:
-        raise ValueError("the admin API needs a token")
-    app = web.Application(middlewares=[json_errors, bearer_auth(token)])
+def add_dlq_routes(app: web.Application, service: DeadLetters) -> None:
+    """Mount the DLQ routes on `app` (whose middlewares must include json_errors and
+    bearer_auth)."""
     app[SERVICE_KEY] = service
-    app.router.add_get("/healthz", healthz)
     # /messages/ first (seed 004): else "messages" would be taken for a consumer's name.
     app.router.add_get("/api/v1/dlq/messages/{id}", get_message)
     app.router.add_post("/api/v1/dlq/messages/{id}/retry", retry_message)
     app.router.add_delete("/api/v1/dlq/messages/{id}", delete_message)
     app.router.add_get("/api/v1/dlq/{consumer}", list_messages)
     app.router.add_post("/api/v1/dlq/{consumer}/retry-all", retry_all)
+
+
+def build_admin_app(service: DeadLetters, *, token: str) -> web.Application:
+    """The admin API alone, as its own aiohttp application (with /healthz)."""
+    if not token:
+        raise ValueError("the admin API needs a token")
+    app = web.Application(middlewares=[json_errors, bearer_auth(token)])
+    app.router.add_get("/healthz", healthz)
+    add_dlq_routes(app, service)
     return app

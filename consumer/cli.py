@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
+import signal
 import sys
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -14,9 +16,9 @@ import orjson
 from consumer import migrations
 from consumer.deadletters import DeadLetters
 from consumer.settings import ConfigError, ReceiverSettings, SyncSettings, load
-from consumer.store import admin
+from consumer.store import admin, retention
 from consumer.store.dlq import DEFAULT_PAGE_SIZE, DlqError, DlqMessage, DlqStore
-from consumer.telemetry import setup_logging
+from consumer.telemetry import setup_logging, setup_telemetry
 from consumer.wiring import (
     CONSUMERS,
     SINKS,
@@ -78,9 +80,19 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="end-to-end demo on a local or private PostgreSQL")
     p.add_argument("--calls", type=int, default=5, help="call logs to create (default 5)")
 
-    p = sub.add_parser("status", help="per consumer: position, backlog, lag, leader")
+    p = sub.add_parser("status", help="per consumer: position, backlog, lag, leader, DLQ")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--consumer", help="only this consumer")
+    p.add_argument(
+        "--watch", action="store_true", help="refresh until interrupted (Ctrl-C or SIGTERM)"
+    )
+    p.add_argument(
+        "--interval",
+        type=_interval,
+        default=2.0,
+        metavar="SEC",
+        help="seconds between refreshes with --watch (default 2)",
+    )
 
     offsets = sub.add_parser("offsets", help="inspect and move consumer offsets")
     osub = offsets.add_subparsers(dest="offsets_command", required=True, metavar="ACTION")
@@ -125,7 +137,68 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("consumer")
     p = dsub.add_parser("delete", help="remove one dead letter for good")
     p.add_argument("id")
+
+    p = sub.add_parser(
+        "cleanup",
+        help="delete old outbox rows every consumer has passed, and old resolved dead letters",
+    )
+    p.add_argument(
+        "--older-than",
+        type=_duration,
+        default=retention.DEFAULT_RETENTION,
+        metavar="AGE",
+        help=f"retention: 30d, 12h, 90m, 45s or seconds (default {retention.DEFAULT_RETENTION})",
+    )
+    p.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
+    p.add_argument(
+        "--batch-size",
+        type=_batch_size,
+        default=retention.DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"rows per delete transaction (default {retention.DEFAULT_BATCH_SIZE})",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable summary")
+
+    consumers = sub.add_parser("consumers", help="list and deregister consumers")
+    csub = consumers.add_subparsers(dest="consumers_command", required=True, metavar="ACTION")
+    p = csub.add_parser("list", help="every registered consumer: position, leader, last update")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = csub.add_parser("remove", help="deregister a consumer that is no longer run")
+    p.add_argument("consumer")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument(
+        "--purge-dlq", action="store_true", help="delete its dead letters too (kept by default)"
+    )
     return parser
+
+
+def _interval(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0.1 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds from 0.1 to 3600")
+    return seconds
+
+
+def _duration(value: str) -> timedelta:
+    try:
+        return retention.parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _batch_size(value: str) -> int:
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if not 1 <= size <= retention.MAX_BATCH_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a number of rows between 1 and {retention.MAX_BATCH_SIZE}"
+        )
+    return size
 
 
 def _iso_datetime(value: str) -> datetime:
@@ -163,7 +236,11 @@ async def _dispatch(args: argparse.Namespace) -> int:
             overrides["INGEST_PORT"] = args.port
         receiver = load(ReceiverSettings, **overrides)
         setup_logging(receiver.log_level, args.log_format)
-        await run_ingest_server(receiver, insecure=args.insecure)
+        telemetry = setup_telemetry("serversync-ingest")
+        try:
+            await run_ingest_server(receiver, insecure=args.insecure)
+        finally:
+            telemetry.shutdown()
         return 0
     if command == "demo":
         from consumer.demo import run_demo  # noqa: PLC0415 - only the demo needs it
@@ -181,7 +258,11 @@ async def _dispatch(args: argparse.Namespace) -> int:
         components = ["backend"] if args.core_only else ["backend", "voicebot"]
         return await _migrate(settings.database_url, components, "DATABASE_URL")
     if command == "run":
-        await run_consumer(settings, args.consumer, args.sink)
+        telemetry = setup_telemetry(f"serversync-{args.consumer}")
+        try:
+            await run_consumer(settings, args.consumer, args.sink, telemetry=telemetry)
+        finally:
+            telemetry.shutdown()
         return 0
     if command == "status":
         return await _status(settings, args)
@@ -189,6 +270,10 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await _offsets(settings, args)
     if command == "dlq":
         return await _dlq(settings, args)
+    if command == "cleanup":
+        return await _cleanup(settings, args)
+    if command == "consumers":
+        return await _consumers(settings, args)
     raise AssertionError(command)
 
 
@@ -233,20 +318,48 @@ def _leader(row: dict[str, Any]) -> str:
 async def _status(settings: SyncSettings, args: argparse.Namespace) -> int:
     async with await connect_or_explain(settings.database_url, "status", "DATABASE_URL") as conn:
         await _require_schema(conn)
-        rows = await admin.consumer_status(conn, args.consumer)
-        held = await admin.horizon(conn)
+        if not args.watch:
+            print(await _status_report(conn, args))
+            return 0
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+        while not stop.is_set():
+            report = await _status_report(conn, args)
+            stamp = datetime.now(UTC).isoformat(timespec="seconds")
+            print(f"{clear}serversync status at {stamp} (every {args.interval:g}s; Ctrl-C stops)")
+            print(report, flush=True)
+            if not clear:
+                print(flush=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=args.interval)
+        return 0
+
+
+async def _status_report(conn: Any, args: argparse.Namespace) -> str:
+    rows = await admin.consumer_status(conn, args.consumer)
+    held = await admin.horizon(conn)
     if args.consumer and not rows:
         raise admin.AdminError(f"no consumer named {args.consumer!r}")
     if args.json:
-        print(
-            orjson.dumps(
-                {"consumers": rows, "horizon": held}, default=str, option=orjson.OPT_INDENT_2
-            ).decode()
-        )
-        return 0
-    print(
+        return orjson.dumps(
+            {"consumers": rows, "horizon": held}, default=str, option=orjson.OPT_INDENT_2
+        ).decode()
+    lines = [
         _table(
-            ["CONSUMER", "LEADER", "LAST_SEQ", "BACKLOG", "LAG", "DELIVERED", "LAST_ERROR"],
+            [
+                "CONSUMER",
+                "LEADER",
+                "LAST_SEQ",
+                "BACKLOG",
+                "LAG",
+                "DELIVERED",
+                "DLQ_PENDING",
+                "DLQ_DEAD",
+                "LAST_ERROR",
+            ],
             [
                 [
                     r["consumer"],
@@ -255,6 +368,8 @@ async def _status(settings: SyncSettings, args: argparse.Namespace) -> int:
                     str(r["backlog"]),
                     _age(r["lag_seconds"]),
                     str(r["delivered_total"]),
+                    str(r["dlq_pending"] + r["dlq_retrying"]),
+                    str(r["dlq_dead"]),
                     " ".join((r["last_error"] or "-").split())[:60],
                 ]
                 for r in rows
@@ -262,13 +377,13 @@ async def _status(settings: SyncSettings, args: argparse.Namespace) -> int:
         )
         if rows
         else "no consumers registered yet (start one with `serversync run NAME`)"
-    )
+    ]
     if held.get("held_back_events"):
-        print(
+        lines.append(
             f"\n{held['held_back_events']} committed event(s) are held back "
             f"(oldest {_age(held['oldest_held_back_seconds'])}) by older open transactions:"
         )
-        print(
+        lines.append(
             _table(
                 ["PID", "DATABASE", "USER", "APPLICATION", "STATE", "XACT_AGE", "QUERY"],
                 [
@@ -285,7 +400,7 @@ async def _status(settings: SyncSettings, args: argparse.Namespace) -> int:
                 ],
             )
         )
-    return 0
+    return "\n".join(lines)
 
 
 async def _require_schema(conn: Any) -> None:
@@ -464,3 +579,83 @@ async def _dlq_action(service: DeadLetters, args: argparse.Namespace) -> int:
         print(f"deleted dead letter {args.id.strip()}")
         return 0
     raise AssertionError(action)
+
+
+# -- cleanup and consumers -----------------------------------------------------------------------
+
+
+async def _cleanup(settings: SyncSettings, args: argparse.Namespace) -> int:
+    async with await connect_or_explain(settings.database_url, "cleanup", "DATABASE_URL") as conn:
+        await _require_schema(conn)
+        report = await retention.cleanup(
+            conn, older_than=args.older_than, batch_size=args.batch_size, dry_run=args.dry_run
+        )
+    if args.json:
+        print(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(report.summary())
+    # Lagging consumers were logged as warnings; they are no failure: the run did its part.
+    return 0
+
+
+async def _consumers(settings: SyncSettings, args: argparse.Namespace) -> int:
+    async with await connect_or_explain(settings.database_url, "consumers", "DATABASE_URL") as conn:
+        await _require_schema(conn)
+        if args.consumers_command == "list":
+            rows = await admin.consumer_status(conn)
+            if args.json:
+                print(orjson.dumps(rows, default=str, option=orjson.OPT_INDENT_2).decode())
+            elif rows:
+                print(
+                    _table(
+                        ["CONSUMER", "POSITION", "LEADER", "UPDATED_AT", "BACKLOG"],
+                        [
+                            [
+                                r["consumer"],
+                                f"{r['last_txid']}/{r['last_seq']}",
+                                _leader(r),
+                                _when(r["updated_at"]),
+                                str(r["backlog"]),
+                            ]
+                            for r in rows
+                        ],
+                    )
+                )
+            else:
+                print("no consumers registered yet (start one with `serversync run NAME`)")
+            return 0
+        try:
+            return await _remove_consumer(conn, args)
+        except retention.UnknownConsumerError as exc:
+            # A name that is not there is bad input, as a bad option is: exit 2.
+            print(f"serversync: {exc}", file=sys.stderr)
+            return EXIT_CONFIG
+
+
+async def _remove_consumer(conn: Any, args: argparse.Namespace) -> int:
+    found = await retention.find_consumer(conn, args.consumer)
+    if not args.yes:
+        question = (
+            f"remove consumer {found.consumer} (at {found.position}, updated "
+            f"{_when(found.updated_at)}, {found.dead_letters} dead letter(s) "
+            f"{'deleted' if args.purge_dlq else 'kept'})? [y/N] "
+        )
+        if not sys.stdin.isatty():
+            print(
+                f"serversync: removing consumer {found.consumer} forgets its position for good; "
+                "confirm with --yes",
+                file=sys.stderr,
+            )
+            return EXIT_CONFIG
+        answer = await asyncio.to_thread(input, question)
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing removed")
+            return EXIT_ERROR
+    removed = await retention.remove_consumer(conn, args.consumer, purge_dlq=args.purge_dlq)
+    dead_letters = (
+        f"deleted its {removed.dead_letters_deleted} dead letter(s)"
+        if args.purge_dlq
+        else f"kept its {removed.dead_letters_kept} dead letter(s) (--purge-dlq deletes them)"
+    )
+    print(f"removed consumer {removed.consumer} (was at {removed.position}); {dead_letters}")
+    return 0

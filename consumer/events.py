@@ -151,9 +151,12 @@ class Sink(Protocol):
     async def start(self) -> None:
         """Open what the sink needs (HTTP sessions, files)."""
 
-    async def deliver(self, batch: Batch) -> None:
+    async def deliver(self, batch: Batch) -> str | None:
         """Deliver the whole batch, or raise DeliveryError. May be called again with the same
-        events (at-least-once), so the far side must apply them idempotently."""
+        events (at-least-once), so the far side must apply them idempotently.
+
+        Returns None (or "success"), or "conflict_processed" when the receiver answered that it
+        had processed the batch already (HTTP 409): counted apart in the metrics."""
 
     async def close(self) -> None:
         """Release what start() opened."""

@@ -64,12 +64,17 @@ class SyncSettings(_Base):
     dlq_max_retries: int = Field(3, ge=0, le=1000, validation_alias="SYNC_DLQ_MAX_RETRIES")
     # Signs every request to the receiver (HMAC-SHA256, see consumer/signing.py).
     shared_secret: str | None = Field(None, min_length=16, validation_alias="SYNC_SHARED_SECRET")
-    # The admin API (DLQ) of a consumer process: off unless SYNC_ADMIN_TOKEN is set.
+    # The consumer process's HTTP port: /healthz, /readyz, /metrics, and the DLQ admin API
+    # (off unless SYNC_ADMIN_TOKEN is set). Port 0 picks a free port (logged at start).
     http_host: str = Field("127.0.0.1", validation_alias="SYNC_HTTP_HOST")
     http_port: int = Field(9464, ge=0, le=65535, validation_alias="SYNC_HTTP_PORT")
     admin_token: str | None = Field(None, min_length=16, validation_alias="SYNC_ADMIN_TOKEN")
     shutdown_timeout_sec: float = Field(
         5.0, gt=0, le=300, validation_alias="SYNC_SHUTDOWN_TIMEOUT_SEC"
+    )
+    # How often the backlog, lag, DLQ and outbox gauges are read from the database.
+    metrics_interval_sec: float = Field(
+        5.0, gt=0, le=3600, validation_alias="SYNC_METRICS_INTERVAL_SEC"
     )
     # recording-upload: where the backend keeps <callId>/mixed.wav and meta.json.
     recordings_dir: Path = Field(Path("storage/recordings"), validation_alias="RECORDINGS_DIR")

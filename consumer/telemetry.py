@@ -1,13 +1,31 @@
-"""Logging: one JSON object per line on stderr (or text), with secrets masked."""
+"""Logs, metrics and traces of a serversync process.
+
+Logs: one JSON object per line on stderr (or text), with secrets masked and the current trace id.
+Metrics and traces: the OpenTelemetry SDK, set up once per process by setup_telemetry; metrics
+are scraped from /metrics (Prometheus), and both go over OTLP/HTTP when the standard
+OTEL_EXPORTER_OTLP_* variables name an endpoint.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+from opentelemetry import metrics, trace
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from consumer.redact import mask_secrets
 
@@ -25,6 +43,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": mask_secrets(record.getMessage()),
         }
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            entry["trace_id"] = format(context.trace_id, "032x")
+            entry["span_id"] = format(context.span_id, "016x")
         for key, value in record.__dict__.items():
             if key not in _STANDARD:
                 # extra= fields are masked like the message: a DSN or a header may ride along.
@@ -42,8 +64,10 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        """Render the record as text with secrets masked."""
-        return mask_secrets(super().format(record))
+        """Render the record as text with secrets masked (and the trace id, inside a span)."""
+        line = mask_secrets(super().format(record))
+        context = trace.get_current_span().get_span_context()
+        return f"{line} trace={context.trace_id:032x}" if context.is_valid else line
 
 
 def setup_logging(level: str = "INFO", fmt: str = "json") -> None:
@@ -56,3 +80,50 @@ def setup_logging(level: str = "INFO", fmt: str = "json") -> None:
     # Third-party chatter stays at warnings.
     for noisy in ("aiohttp.access", "psycopg.pool"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def _otlp_wanted(signal: str) -> bool:
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    )
+
+
+@dataclass
+class Telemetry:
+    """The process's metrics and traces, as set up by setup_telemetry."""
+
+    meter_provider: MeterProvider
+    tracer_provider: TracerProvider
+
+    def render_prometheus(self) -> tuple[bytes, str]:
+        """The Prometheus exposition of every metric: (body, content type)."""
+        return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+    def shutdown(self) -> None:
+        """Flush what is still to export (OTLP) and stop the exporters."""
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown()
+
+
+def setup_telemetry(service_name: str) -> Telemetry:
+    """Install the OpenTelemetry SDK for this process (call once, at start).
+
+    The service name is OTEL_SERVICE_NAME if set, else `service_name`. Metrics are always
+    readable at /metrics; OTLP/HTTP export of metrics and traces starts when
+    OTEL_EXPORTER_OTLP_ENDPOINT (or the per-signal variable) is set, configured by the other
+    standard OTEL_EXPORTER_OTLP_* variables.
+    """
+    resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
+    readers: list[MetricReader] = [PrometheusMetricReader()]
+    if _otlp_wanted("METRICS"):
+        readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+    meter_provider = MeterProvider(resource=resource, metric_readers=readers)
+    metrics.set_meter_provider(meter_provider)
+    # A real tracer provider even without an exporter: spans get ids, which go into the logs
+    # and, propagated in headers, let the receiver's logs name the same trace.
+    tracer_provider = TracerProvider(resource=resource)
+    if _otlp_wanted("TRACES"):
+        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(tracer_provider)
+    return Telemetry(meter_provider, tracer_provider)

@@ -14,11 +14,11 @@ from aiohttp import web
 from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
 
-from consumer import migrations
-from consumer.adminapi import build_admin_app
+from consumer import gauges, migrations
 from consumer.db import connect, connect_kwargs, mask_dsn
 from consumer.deadletters import DeadLetters, SinkFactory
 from consumer.events import Sink
+from consumer.opshttp import PING_TIMEOUT_SEC, Health, MetricsEndpoint, build_ops_app
 from consumer.receiver.app import build_app
 from consumer.receiver.recordings import RecordingFiles
 from consumer.receiver.store import EntityStore
@@ -33,6 +33,7 @@ from consumer.store.dlq import DlqStore
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import OutboxStore
 from consumer.store.recordings import RecordingStore
+from consumer.telemetry import Telemetry
 
 log = logging.getLogger("serversync")
 
@@ -174,14 +175,20 @@ def _install_stop_handlers(stop: Callable[[], object]) -> None:
         loop.add_signal_handler(sig, stop)
 
 
-async def run_consumer(settings: SyncSettings, consumer: str, sink: str = "default") -> None:
+async def run_consumer(
+    settings: SyncSettings,
+    consumer: str,
+    sink: str = "default",
+    *,
+    telemetry: Telemetry | None = None,
+) -> None:
     """`serversync run CONSUMER`: until SIGTERM/SIGINT."""
     await check_database(settings.database_url, ["backend"], "DATABASE_URL")
     if consumer == "recording-upload" and sink != "null":
         await check_recording_upload(settings)
     async with (
         consumer_runtime(settings, consumer, sink) as runtime,
-        serve_admin_api(settings, sink),
+        serve_ops_http(settings, runtime, sink=sink, telemetry=telemetry),
     ):
         _install_stop_handlers(runtime.request_stop)
         log.info(
@@ -199,7 +206,7 @@ async def check_recording_upload(settings: SyncSettings) -> None:
     """Fail at start, not on the first recording, when recording-upload cannot work here."""
     problem = RecordingsDir(settings.recordings_dir).check()
     if problem is not None:
-        raise StartupError(f"{problem} (set RECORDINGS_DIR to the backend's recordings folder)")
+        raise ConfigError(f"{problem} (set RECORDINGS_DIR to the backend's recordings folder)")
     async with open_pool(settings.database_url, "check", max_size=1) as pool:
         if not await RecordingStore(pool).table_present():
             raise StartupError(
@@ -222,44 +229,76 @@ def dlq_sinks(
 
 
 @contextlib.asynccontextmanager
-async def serve_admin_api(
-    settings: SyncSettings, sink: str = "default"
-) -> AsyncIterator[str | None]:
-    """The admin API (dead-letter queue, /healthz) on SYNC_HTTP_HOST:SYNC_HTTP_PORT while the
-    block runs; yields its base URL, or None when SYNC_ADMIN_TOKEN is not set (then it is off:
-    an unauthenticated way to replay events must not appear by default)."""
+async def serve_ops_http(
+    settings: SyncSettings,
+    runtime: ConsumerRuntime,
+    *,
+    sink: str = "default",
+    telemetry: Telemetry | None = None,
+) -> AsyncIterator[str]:
+    """The process's HTTP port while the block runs: /healthz, /readyz, /metrics (with
+    `telemetry`), and the DLQ admin API when SYNC_ADMIN_TOKEN is set (an unauthenticated way to
+    replay events must not appear by default). Also keeps the database gauges fresh. Yields the
+    base URL."""
     token = settings.admin_token
-    if not token:
-        log.info("admin API off (set SYNC_ADMIN_TOKEN to serve it)")
-        yield None
-        return
-    # A pool of its own: operator requests never wait behind the delivery loop's connections.
-    async with open_pool(settings.database_url, "admin", max_size=2) as pool:
-        service = DeadLetters(DlqStore.over_pool(pool), dlq_sinks(settings, sink, pool=pool))
+    # A pool of its own: probes, gauges and operator requests never wait behind the delivery
+    # loop's connections, and a stuck delivery never makes the process look dead.
+    async with open_pool(settings.database_url, "ops", max_size=2) as pool:
+        service = (
+            DeadLetters(DlqStore.over_pool(pool), dlq_sinks(settings, sink, pool=pool))
+            if token
+            else None
+        )
+
+        async def ping() -> None:
+            async with pool.connection(timeout=PING_TIMEOUT_SEC) as conn:
+                await conn.execute("SELECT 1")
+
+        app = build_ops_app(
+            Health(runtime.consumer, lambda: runtime.stats.state, ping),
+            metrics_endpoint=MetricsEndpoint(telemetry.render_prometheus) if telemetry else None,
+            dead_letters=service,
+            token=token,
+        )
         runner = web.AppRunner(
-            build_admin_app(service, token=token),
+            app,
             access_log=None,
             handle_signals=False,
             # A retry-all in flight must not hold the process's stop for aiohttp's default 60 s.
             shutdown_timeout=settings.shutdown_timeout_sec,
         )
         await runner.setup()
+        refresher = asyncio.create_task(
+            gauges.refresh_forever(pool, runtime.consumer, settings.metrics_interval_sec)
+        )
         try:
             site = web.TCPSite(runner, settings.http_host, settings.http_port)
             try:
                 await site.start()
             except OSError as exc:
                 raise StartupError(
-                    f"cannot serve the admin API on {settings.http_host}:{settings.http_port} "
+                    f"cannot listen on {settings.http_host}:{settings.http_port} "
                     f"(SYNC_HTTP_HOST/SYNC_HTTP_PORT): {exc.strerror or exc}"
                 ) from None
             host, port = runner.addresses[0][:2]
             url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-            log.info("admin API listening on %s", url)
+            log.info(
+                "consumer %s: health, readiness and metrics on %s%s",
+                runtime.consumer,
+                url,
+                " (and the DLQ admin API)"
+                if token
+                else "; DLQ admin API off (no SYNC_ADMIN_TOKEN)",
+                extra={"http_url": url},
+            )
             yield url
         finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
             await runner.cleanup()
-            await service.close()
+            if service is not None:
+                await service.close()
 
 
 async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = False) -> None:

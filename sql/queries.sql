@@ -111,7 +111,11 @@ SELECT c.consumer,
        lock.pid AS lock_backend_pid,
        pending.backlog,
        pending.oldest_created_at,
-       extract(epoch FROM now() - pending.oldest_created_at)::float8 AS lag_seconds
+       extract(epoch FROM now() - pending.oldest_created_at)::float8 AS lag_seconds,
+       dlq.dlq_pending,
+       dlq.dlq_retrying,
+       dlq.dlq_resolved,
+       dlq.dlq_dead
 FROM sync.consumer_offsets c
 LEFT JOIN LATERAL (
     SELECT l.pid
@@ -127,8 +131,24 @@ CROSS JOIN LATERAL (
     FROM sync.events_outbox o
     WHERE (o.txid, o.seq) > (c.last_txid, c.last_seq)
 ) pending
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE d.status = 'PENDING') AS dlq_pending,
+           count(*) FILTER (WHERE d.status = 'RETRYING') AS dlq_retrying,
+           count(*) FILTER (WHERE d.status = 'RESOLVED') AS dlq_resolved,
+           count(*) FILTER (WHERE d.status = 'DEAD') AS dlq_dead
+    FROM sync.dlq_messages d
+    WHERE d.consumer = c.consumer
+) dlq
 WHERE %(consumer)s::text IS NULL OR c.consumer = %(consumer)s
 ORDER BY c.consumer;
+
+-- name: outbox_stats
+-- For the outbox gauges: PostgreSQL's row estimate (exact counting would scan the table on
+-- every scrape) and the age of the oldest row (the first by seq, through the primary key).
+SELECT coalesce((SELECT n_live_tup FROM pg_stat_user_tables
+                  WHERE relid = 'sync.events_outbox'::regclass), 0) AS outbox_rows,
+       extract(epoch FROM now() - (SELECT o.created_at FROM sync.events_outbox o
+                                    ORDER BY o.seq LIMIT 1))::float8 AS oldest_age_seconds;
 
 -- name: horizon_state
 -- Committed events that no consumer can read yet because an older transaction is still open.
@@ -338,3 +358,143 @@ WHERE consumer = %(consumer)s
   AND (%(after)s::uuid IS NULL OR id > %(after)s::uuid)
 ORDER BY id
 LIMIT %(limit)s;
+
+-- retention --------------------------------------------------------------------------------------
+-- `serversync cleanup` and `serversync consumers` (consumer/store/retention.py). Positions are
+-- compared as (xid8, bigint) rows, never as text: as text '10000' sorts before '9999'.
+-- Every row at or before a consumer's position belongs to a transaction that had ended when the
+-- consumer read it (read_batch reads below the snapshot's xmin only), so nothing can appear
+-- behind a position later, and a row behind every consumer's position is needed by none.
+
+-- name: retention_try_lock
+-- One cleanup at a time per database: two would pick the same rows and queue on each other's
+-- row locks. Session-level, on the cleanup's autocommit connection.
+SELECT pg_try_advisory_lock(hashtext('serversync.cleanup')) AS locked;
+
+-- name: retention_unlock
+SELECT pg_advisory_unlock(hashtext('serversync.cleanup')) AS unlocked;
+
+-- name: retention_cutoff
+-- The database's clock: created_at and updated_at were stamped with it, not with the caller's.
+SELECT now() - %(older_than)s::interval AS cutoff;
+
+-- name: retention_consumer_needs
+-- Every registered consumer, its position, and the rows older than the cutoff it has not passed
+-- yet (cleanup keeps those). For a consumer that keeps up, the rows after its position are few
+-- and young: the count walks the position index over just those.
+SELECT c.consumer,
+       c.last_txid::text AS last_txid,
+       c.last_seq,
+       c.updated_at,
+       needed.old_rows_needed,
+       needed.oldest_needed_at
+FROM sync.consumer_offsets c
+CROSS JOIN LATERAL (
+    SELECT count(*) AS old_rows_needed, min(o.created_at) AS oldest_needed_at
+    FROM sync.events_outbox o
+    WHERE (o.txid, o.seq) > (c.last_txid, c.last_seq)
+      AND o.created_at < %(cutoff)s
+) needed
+ORDER BY c.consumer;
+
+-- name: retention_outbox_plan
+-- Rows older than the cutoff, and how many of them every consumer has passed: those at or before
+-- the floor, the position of the consumer furthest behind. With no consumer there is no floor,
+-- the comparison is NULL and nothing counts as passed.
+WITH floor AS MATERIALIZED (
+    SELECT c.last_txid, c.last_seq
+    FROM sync.consumer_offsets c
+    ORDER BY c.last_txid, c.last_seq
+    LIMIT 1
+)
+SELECT count(*) AS old_rows,
+       count(*) FILTER (WHERE (o.txid, o.seq) <= (f.last_txid, f.last_seq)) AS passed_rows
+FROM sync.events_outbox o
+LEFT JOIN floor f ON true
+WHERE o.created_at < %(cutoff)s;
+
+-- name: retention_delete_outbox
+-- One batch: up to `limit` rows older than the cutoff that every consumer has passed, in
+-- position order after `after` (the last row of the previous batch, so no batch walks the index
+-- entries of rows deleted before it). The floor is read again by every batch, so a consumer
+-- registered or reset meanwhile is honoured from the next batch on. DELETE takes ROW EXCLUSIVE
+-- on the table, as producers' INSERTs do, and these two never conflict; the rows it locks are
+-- old ones no producer touches. Returns how many went and the position of the last one.
+WITH floor AS MATERIALIZED (
+    SELECT c.last_txid, c.last_seq
+    FROM sync.consumer_offsets c
+    ORDER BY c.last_txid, c.last_seq
+    LIMIT 1
+), doomed AS MATERIALIZED (
+    SELECT d.ctid AS row_id
+    FROM floor f
+    CROSS JOIN LATERAL (
+        SELECT o.ctid
+        FROM sync.events_outbox o
+        WHERE (o.txid, o.seq) > (%(after_txid)s::xid8, %(after_seq)s::bigint)
+          AND (o.txid, o.seq) <= (f.last_txid, f.last_seq)
+          AND o.created_at < %(cutoff)s
+        ORDER BY o.txid, o.seq
+        LIMIT %(limit)s
+    ) d
+), gone AS (
+    DELETE FROM sync.events_outbox o
+    WHERE o.ctid = ANY (ARRAY(SELECT row_id FROM doomed))
+    RETURNING o.txid, o.seq
+)
+SELECT count(*) AS deleted,
+       (array_agg(g.txid ORDER BY g.txid DESC, g.seq DESC))[1]::text AS last_txid,
+       (array_agg(g.seq ORDER BY g.txid DESC, g.seq DESC))[1] AS last_seq
+FROM gone g;
+
+-- name: retention_dlq_count
+-- Dead letters resolved before the cutoff (updated_at is stamped when a message is resolved and
+-- never changes afterwards). PENDING, RETRYING and DEAD ones wait for an operator.
+SELECT count(*)
+FROM sync.dlq_messages
+WHERE status = 'RESOLVED' AND updated_at < %(cutoff)s;
+
+-- name: retention_delete_dlq
+-- One batch of retention_dlq_count's messages. The conditions are repeated on the deleted rows:
+-- a message changed meanwhile is checked again as it now stands.
+WITH gone AS (
+    DELETE FROM sync.dlq_messages m
+    WHERE m.id = ANY (ARRAY(
+            SELECT d.id
+            FROM sync.dlq_messages d
+            WHERE d.status = 'RESOLVED' AND d.updated_at < %(cutoff)s
+            LIMIT %(limit)s))
+      AND m.status = 'RESOLVED'
+      AND m.updated_at < %(cutoff)s
+    RETURNING 1
+)
+SELECT count(*) AS deleted FROM gone;
+
+-- name: retention_consumer
+SELECT c.consumer, c.last_txid::text AS last_txid, c.last_seq, c.updated_at,
+       (SELECT count(*) FROM sync.dlq_messages m WHERE m.consumer = c.consumer) AS dead_letters
+FROM sync.consumer_offsets c
+WHERE c.consumer = %(consumer)s;
+
+-- name: retention_consumer_sessions
+-- The sessions of a consumer's processes, leader or standby: each keeps a connection for the
+-- leader lock whose application_name starts with `prefix` (consumer/store/leadership.py).
+SELECT a.pid, a.application_name
+FROM pg_stat_activity a
+WHERE a.datname = current_database()
+  AND a.pid <> pg_backend_pid()
+  AND starts_with(a.application_name, %(prefix)s)
+ORDER BY a.backend_start, a.pid;
+
+-- name: retention_remove_consumer
+DELETE FROM sync.consumer_offsets
+WHERE consumer = %(consumer)s
+RETURNING last_txid::text AS last_txid, last_seq;
+
+-- name: retention_forget_waiting
+-- A consumer stopped while idle leaves waiting = true behind, and the relay would NOTIFY in
+-- every producer transaction for a consumer that will never listen again.
+DELETE FROM sync.consumer_waits WHERE consumer = %(consumer)s;
+
+-- name: retention_purge_dlq
+DELETE FROM sync.dlq_messages WHERE consumer = %(consumer)s;

@@ -247,6 +247,8 @@ def cli_env(**variables: str) -> dict[str, str]:
         for key, value in os.environ.items()
         if key != "DATABASE_URL" and not key.startswith(("SYNC_", "FRONTEND_", "INGEST_"))
     }
+    # A `run` serves health and metrics: on a free port, so that runs in parallel do not clash.
+    env["SYNC_HTTP_PORT"] = "0"
     env.update(variables)
     return env
 

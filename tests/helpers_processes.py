@@ -38,6 +38,8 @@ FAST_ENV: dict[str, str] = {
     "SYNC_RETRY_INITIAL_SEC": "0.05",
     "SYNC_RETRY_MAX_SEC": "0.5",
     "SYNC_SHUTDOWN_TIMEOUT_SEC": "2",
+    # Every process serves /healthz, /readyz and /metrics: on a free port, so that several fit.
+    "SYNC_HTTP_PORT": "0",
 }
 
 

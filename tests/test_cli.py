@@ -452,10 +452,14 @@ async def test_status_shows_backlog_lag_and_leader(backend_dsn: str) -> None:
         "BACKLOG",
         "LAG",
         "DELIVERED",
+        "DLQ_PENDING",
+        "DLQ_DEAD",
         "LAST_ERROR",
     ]
     last_seq = (await position_text(backend_dsn)).split("/")[1]
     assert rows[CONSUMER][1:4] == [f"{socket.gethostname()}/{os.getpid()}", last_seq, "0"]
+    assert rows[CONSUMER][6:8] == ["0", "0"]
+    assert (row["dlq_pending"], row["dlq_dead"]) == (0, 0)
 
     # Stopped, with three events waiting.
     await add_events(backend_dsn, 3, tag="later")

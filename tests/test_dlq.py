@@ -22,7 +22,7 @@ from aiohttp import web
 
 from consumer.devdb import free_port
 from consumer.settings import SyncSettings
-from consumer.wiring import serve_admin_api
+from consumer.wiring import consumer_runtime, serve_ops_http
 from tests.conftest import (
     cli_env,
     fetch_all,
@@ -216,8 +216,11 @@ async def api(backend_dsn: str) -> AsyncIterator[Api]:
             SYNC_HTTP_PORT=0,
             SYNC_DLQ_MAX_RETRIES=MAX_RETRIES,
         )
-        async with serve_admin_api(settings) as url, aiohttp.ClientSession() as http:
-            assert url is not None
+        async with (
+            consumer_runtime(settings, CONSUMER) as runtime,
+            serve_ops_http(settings, runtime) as url,
+            aiohttp.ClientSession() as http,
+        ):
             assert url.startswith("http://127.0.0.1:")
             yield Api(backend_dsn, receiver, settings, url, http)
 
@@ -607,7 +610,10 @@ async def test_every_dlq_route_wants_the_bearer_token(api: Api) -> None:
     # The scheme is case-insensitive, as HTTP wants; the health check needs no token.
     status, _ = await api.call("GET", LIST, authorization=f"bearer {TOKEN}")
     assert status == 200
-    assert await api.call("GET", "/healthz", token=None) == (200, {"status": "ok"})
+    assert await api.call("GET", "/healthz", token=None) == (
+        200,
+        {"status": "ok", "consumer": CONSUMER},
+    )
 
 
 # -- `serversync run` serves the admin API -------------------------------------------------------
@@ -651,13 +657,19 @@ async def test_a_consumer_process_serves_the_admin_api_only_with_a_token(
             off = procs.start(backend_dsn, receiver.url, "without", SYNC_HTTP_PORT=str(without))
             # Generous deadlines: two interpreters start at once on a possibly busy machine.
             await served.wait_log(
-                f"admin API listening on http://127.0.0.1:{with_token}", timeout=30
+                f"readiness and metrics on http://127.0.0.1:{with_token} (and the DLQ admin API)",
+                timeout=30,
             )
-            await off.wait_log("admin API off (set SYNC_ADMIN_TOKEN to serve it)", timeout=30)
-            assert refuses_connections(without)
+            await off.wait_log(
+                f"http://127.0.0.1:{without}; DLQ admin API off (no SYNC_ADMIN_TOKEN)", timeout=30
+            )
+            # Without a token the port serves health and metrics, but no way to replay events.
+            health = (200, {"status": "ok", "consumer": CONSUMER})
+            assert await http_get(f"http://127.0.0.1:{without}/healthz", token=None) == health
+            assert (await http_get(f"http://127.0.0.1:{without}{LIST}"))[0] == 404
 
             base = f"http://127.0.0.1:{with_token}"
-            assert await http_get(f"{base}/healthz", token=None) == (200, {"status": "ok"})
+            assert await http_get(f"{base}/healthz", token=None) == health
             assert (await http_get(f"{base}{LIST}", token=None))[0] == 401
             await insert_calls(backend_dsn, ["good-0", "bad-0", "good-1"])
 
@@ -699,7 +711,7 @@ async def test_a_taken_admin_port_is_a_one_line_startup_error(backend_dsn: str) 
         env = cli_env(DATABASE_URL=backend_dsn, SYNC_ADMIN_TOKEN=TOKEN, SYNC_HTTP_PORT=str(port))
         # Were the port not in use, `run` would keep running: the timeout fails the test.
         result = await run_cli("run", CONSUMER, env=env, timeout=30)
-    line = assert_one_line_error(result, 1, "cannot serve the admin API", f"127.0.0.1:{port}")
+    line = assert_one_line_error(result, 1, "cannot listen on", f"127.0.0.1:{port}")
     assert TOKEN not in line
 
 

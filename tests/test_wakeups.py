@@ -50,9 +50,10 @@ async def test_idle_consumer_asks_for_wakeups_and_stops_asking_when_busy(
         row[0] for row in await fetch_all(backend_dsn, "SELECT waiting FROM wait_log ORDER BY n")
     ]
     # Cleared on taking the lead, asked for wake-ups when idle, stopped asking while draining
-    # (no producer NOTIFY during the drain), asked again once idle.
+    # (no producer NOTIFY during the drain), asked again once idle, and cleared on stopping (a
+    # stopped consumer must not keep producers sending NOTIFYs).
     assert log[:4] == [False, True, False, True]
-    assert log[-1] is True
+    assert log[-2:] == [True, False]
 
 
 async def test_no_wakeup_is_lost_to_commits_racing_the_announcement(

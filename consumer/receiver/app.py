@@ -9,10 +9,13 @@ import orjson
 import psycopg
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
 from consumer import signing
 from consumer.httpjson import error_response, json_response
+from consumer.instruments import tracer
 from consumer.receiver.models import INGEST_REQUEST, describe
 from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles, add_routes
 from consumer.receiver.store import EntityStore
@@ -94,6 +97,21 @@ async def readyz(request: web.Request) -> web.Response:
     return json_response({"status": "ready"})
 
 
+@web.middleware
+async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A server span per request, a child of the caller's span when the request carries W3C
+    trace context: a consumer's batch and the receiver's work on it share one trace."""
+    with tracer.start_as_current_span(
+        f"{request.method} {request.path}",
+        context=propagate.extract(request.headers),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": request.method, "url.path": request.path},
+    ) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        return response
+
+
 def signature_check(secret: str) -> Middleware:
     """Refuse (401, nothing written) ingest requests not signed with the shared secret."""
 
@@ -126,7 +144,7 @@ def build_app(
     """The receiver's aiohttp application; without `shared_secret` it accepts unsigned requests
     (the CLI allows that only with --insecure). With `recordings` it also takes recording
     uploads and serves them."""
-    middlewares: list[Middleware] = [json_errors]
+    middlewares: list[Middleware] = [traced, json_errors]
     if shared_secret:
         middlewares.append(signature_check(shared_secret))
     app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)

@@ -22,6 +22,7 @@ from typing import IO
 
 import orjson
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from consumer import signing
 from consumer.httpjson import error_response, json_response
@@ -57,10 +58,13 @@ class _Upload:
     """What has arrived so far of one multipart upload."""
 
     ids: dict[str, str] = field(default_factory=dict)
+    # The id parts exactly as sent: what the signature covers.
+    sent: dict[str, str] = field(default_factory=dict)
     audio_tmp: Path | None = None
     audio_size: int = 0
     audio_sha256: str = ""
     meta_json: bytes | None = None
+    seen: set[str] = field(default_factory=set)
 
 
 class RecordingFiles:
@@ -99,12 +103,19 @@ def _uuid(value: str, part: str) -> str:
         raise UploadRefused(422, "INGEST_VALIDATION_ERROR", f"{part} is not a UUID", part) from None
 
 
+def _check_complete(part: BodyPartReader, name: str) -> None:
+    # A part read up to the end of the body, not up to a boundary: the body was cut short.
+    if not part.at_eof():
+        raise UploadRefused(400, "INGEST_BAD_MULTIPART", f"the body ends inside part {name}", name)
+
+
 async def _read_small(part: BodyPartReader, limit: int, name: str) -> bytes:
     data = bytearray()
     while chunk := await part.read_chunk(CHUNK_BYTES):
         data += chunk
         if len(data) > limit:
             raise UploadRefused(413, "INGEST_TOO_LARGE", f"part {name} is over {limit} bytes", name)
+    _check_complete(part, name)
     return bytes(data)
 
 
@@ -137,6 +148,7 @@ async def _stream_audio(part: BodyPartReader, files: RecordingFiles, upload: _Up
                 )
             digest.update(chunk)
             await asyncio.to_thread(_write_all, out, chunk)
+        _check_complete(part, "audio")
         await asyncio.to_thread(out.flush)
         await asyncio.to_thread(os.fsync, out.fileno())
     upload.audio_size = size
@@ -149,20 +161,36 @@ async def _read_parts(request: web.Request, files: RecordingFiles, upload: _Uplo
             415, "INGEST_UNSUPPORTED_MEDIA_TYPE", "Content-Type must be multipart/form-data"
         )
     try:
-        reader = await request.multipart()
-    except (AssertionError, ValueError) as exc:
+        await _read_each_part(request, files, upload)
+    except (AssertionError, ValueError, HttpProcessingError) as exc:
+        # aiohttp's multipart reader refuses a body without a boundary, with no starting or
+        # closing boundary, or with a broken part, this way (not as UploadRefused).
         raise UploadRefused(
             400, "INGEST_BAD_MULTIPART", f"malformed multipart body: {exc}"
         ) from None
-    seen: set[str] = set()
+    missing = [name for name in PARTS if name not in upload.seen]
+    if missing:
+        raise UploadRefused(
+            422, "INGEST_VALIDATION_ERROR", f"missing part {missing[0]}", missing[0]
+        )
+
+
+async def _read_each_part(request: web.Request, files: RecordingFiles, upload: _Upload) -> None:
+    reader = await request.multipart()
+    seen = upload.seen
     while (part := await reader.next()) is not None:
         if not isinstance(part, BodyPartReader):
             raise UploadRefused(400, "INGEST_BAD_MULTIPART", "nested multipart is not accepted")
-        name = part.name or ""
-        if name not in PARTS:
+        name = part.name
+        if not name:
+            # Not a form-data part; a body cut right after a boundary also ends up here.
             raise UploadRefused(
-                422, "INGEST_VALIDATION_ERROR", f"unexpected part {name!r}", name or None
+                400,
+                "INGEST_BAD_MULTIPART",
+                "a part without a Content-Disposition name, or no closing boundary",
             )
+        if name not in PARTS:
+            raise UploadRefused(422, "INGEST_VALIDATION_ERROR", f"unexpected part {name!r}", name)
         if name in seen:
             raise UploadRefused(422, "INGEST_VALIDATION_ERROR", f"part {name} given twice", name)
         seen.add(name)
@@ -179,12 +207,8 @@ async def _read_parts(request: web.Request, files: RecordingFiles, upload: _Uplo
             upload.meta_json = meta
         else:
             raw = await _read_small(part, MAX_ID_BYTES, name)
-            upload.ids[name] = _uuid(raw.decode("utf-8", "replace").strip(), name)
-    missing = [name for name in PARTS if name not in seen]
-    if missing:
-        raise UploadRefused(
-            422, "INGEST_VALIDATION_ERROR", f"missing part {missing[0]}", missing[0]
-        )
+            upload.sent[name] = raw.decode("utf-8", "replace")
+            upload.ids[name] = _uuid(upload.sent[name].strip(), name)
 
 
 def _keep(files: RecordingFiles, upload: _Upload, call_log_id: str, recording_id: str) -> bool:
@@ -239,8 +263,8 @@ async def ingest_recording_file(request: web.Request) -> web.Response:
                 request.headers.get(signing.TIMESTAMP_HEADER),
                 request.headers.get(signing.SIGNATURE_HEADER),
                 signing.recording_file_message(
-                    call_log_id,
-                    recording_id,
+                    upload.sent["callLogId"],
+                    upload.sent["recordingId"],
                     upload.audio_sha256,
                     hashlib.sha256(meta_json).hexdigest(),
                 ),
@@ -252,6 +276,10 @@ async def ingest_recording_file(request: web.Request) -> web.Response:
     except UploadRefused as refused:
         log.info("refused recording upload: %s", refused)
         return refused.response()
+    except ConnectionResetError:
+        # The client went away mid-upload (nothing is kept): not an error of the receiver's.
+        log.info("recording upload abandoned: the client disconnected")
+        return error_response(400, "INGEST_BAD_MULTIPART", "the client disconnected mid-upload")
     finally:
         if upload.audio_tmp is not None:
             with contextlib.suppress(FileNotFoundError):

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import psycopg
+from opentelemetry import trace
 
+from consumer import instruments
 from consumer.events import Batch, DeadLetter, DeliveryError, Position, Sink
 from consumer.redact import mask_secrets
 from consumer.runtime.backoff import Backoff
@@ -74,6 +76,9 @@ class RuntimeStats:
     # While the loop sleeps: "wakeup" (nothing to read; a NOTIFY or the poll timer ends it) or
     # "recheck" (an older open transaction holds the horizon back); None while it works.
     sleeping: str | None = None
+    # starting, standby (another process leads; the database answers), leader,
+    # database_unreachable, stopped: what /readyz reports.
+    state: str = "starting"
 
 
 class ConsumerRuntime:
@@ -98,6 +103,7 @@ class ConsumerRuntime:
         self.stats = RuntimeStats()
         self.stop_event = asyncio.Event()
         self._lost = asyncio.Event()
+        self._labels = {"consumer": consumer}
 
     def request_stop(self) -> None:
         """Ask the loop to finish (what SIGTERM/SIGINT do)."""
@@ -105,6 +111,7 @@ class ConsumerRuntime:
 
     async def run(self) -> None:
         """Run until request_stop(): stand by, lead, and stand by again after losing the lead."""
+        instruments.LEADER.set(0, self._labels)
         await self._with_db_retry(lambda: self.store.ensure_consumer(self.consumer))
         await self.sink.start()
         try:
@@ -121,8 +128,10 @@ class ConsumerRuntime:
                     log.info("consumer %s: database unreachable while stopping", self.consumer)
                 finally:
                     self.stats.is_leader = False
+                    instruments.LEADER.set(0, self._labels)
                     await self._teardown("releasing the leader lock", self.lock.release)
         finally:
+            self.stats.state = "stopped"
             await self._teardown("closing the sink", self.sink.close)
             if self.listener is not None:
                 await self._teardown("stopping the listener", self.listener.stop)
@@ -149,12 +158,14 @@ class ConsumerRuntime:
             try:
                 if await self.lock.try_acquire():
                     return True
+                self.stats.state = "standby"
                 backoff.reset()
                 delay = self.config.standby_interval
                 if not announced:
                     log.info("consumer %s: another process leads; standing by", self.consumer)
                     announced = True
             except psycopg.Error as exc:
+                self.stats.state = "database_unreachable"
                 delay = backoff.next_delay()
                 log.warning(
                     "consumer %s: database unreachable (%s); retrying in %.1fs",
@@ -170,6 +181,8 @@ class ConsumerRuntime:
         leadership = await self._with_db_retry(lambda: self.store.take_leadership(self.consumer))
         epoch, position = leadership.epoch, leadership.position
         self.stats.is_leader, self.stats.epoch, self.stats.position = True, epoch, position
+        self.stats.state = "leader"
+        instruments.LEADER.set(1, self._labels)
         self.stats.takeovers += 1
         log.info("consumer %s: leading (epoch %d) from position %s", self.consumer, epoch, position)
         if self.listener is not None:
@@ -272,6 +285,13 @@ class ConsumerRuntime:
                 prefetch.cancel()
                 with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
                     await prefetch
+            if waiting:
+                # A stopped consumer waits for nothing: left set, the flag would make every
+                # producer transaction send a NOTIFY until the consumer came back.
+                with contextlib.suppress(psycopg.Error):
+                    await self._bounded_by_stop(
+                        functools.partial(self.store.set_waiting, self.consumer, False)
+                    )
 
     async def _next_read(
         self,
@@ -294,18 +314,42 @@ class ConsumerRuntime:
         False if stopped before the batch was settled: it is delivered again later.
         """
         started = time.monotonic()
-        parked = await self._settle(batch, epoch)
-        if parked is None:
-            return False
-        await self._commit(batch, epoch, parked)
-        log.debug(
-            "consumer %s: delivered %d events seq %s in %.1f ms (%d parked)",
-            self.consumer,
-            batch.count - len(parked),
-            batch.seq_range,
-            (time.monotonic() - started) * 1000,
-            len(parked),
-        )
+        with instruments.tracer.start_as_current_span(
+            f"{self.consumer} deliver batch",
+            attributes={
+                "serversync.consumer": self.consumer,
+                "serversync.batch.count": batch.count,
+                "serversync.batch.min_seq": batch.min_seq,
+                "serversync.batch.max_seq": batch.max_seq,
+            },
+        ) as span:
+            parked = await self._settle(batch, epoch)
+            if parked is None:
+                span.set_attribute("serversync.outcome", "abandoned")
+                return False
+            await self._commit(batch, epoch, parked)
+            duration = time.monotonic() - started
+            outcome = "parked" if parked else "delivered"
+            span.set_attribute("serversync.outcome", outcome)
+            instruments.BATCH_SIZE.record(batch.count, self._labels)
+            instruments.BATCH_DURATION.record(duration, self._labels)
+            log.info(
+                "consumer %s: %s %d events seq %s in %.1f ms (%d parked)",
+                self.consumer,
+                outcome,
+                batch.count - len(parked),
+                batch.seq_range,
+                duration * 1000,
+                len(parked),
+                extra={
+                    "consumer": self.consumer,
+                    "seq_range": batch.seq_range,
+                    "events": batch.count,
+                    "parked": len(parked),
+                    "outcome": outcome,
+                    "duration_ms": round(duration * 1000, 3),
+                },
+            )
         return True
 
     async def _settle(self, batch: Batch, epoch: int) -> list[DeadLetter] | None:
@@ -319,14 +363,22 @@ class ConsumerRuntime:
         while True:
             self._raise_if_lost()
             try:
-                if not await self._deliver_once(batch):
+                outcome = await self._deliver_once(batch)
+                if outcome is None:
                     return None
+                self._count_events(batch.count, outcome)
+                instruments.DELIVERY_ATTEMPTS.record(backoff.attempts + 1, self._labels)
                 return []
             except DeliveryError as exc:
                 self.stats.failed_deliveries += 1
                 error = mask_secrets(str(exc))
+                trace.get_current_span().add_event(
+                    "delivery failed",
+                    {"serversync.error_code": exc.code, "serversync.retryable": exc.retryable},
+                )
                 if not exc.retryable:
                     if batch.count == 1:
+                        instruments.DELIVERY_ATTEMPTS.record(backoff.attempts + 1, self._labels)
                         log.warning(
                             "consumer %s: parking seq %s: %s", self.consumer, batch.seq_range, error
                         )
@@ -340,6 +392,7 @@ class ConsumerRuntime:
                     return parked
                 attempts = backoff.attempts + 1
                 if self.config.max_attempts and attempts >= self.config.max_attempts:
+                    instruments.DELIVERY_ATTEMPTS.record(attempts, self._labels)
                     log.warning(
                         "consumer %s: giving up on seq %s after %d attempts; parking: %s",
                         self.consumer,
@@ -353,6 +406,7 @@ class ConsumerRuntime:
                     # Honoured, but a receiver asking for a day of silence does not get it.
                     delay = max(delay, min(exc.retry_after, RETRY_AFTER_CEILING_SEC))
                 self.stats.retries += 1
+                self._count_events(batch.count, "retry")
                 log.warning(
                     "consumer %s: delivery of seq %s failed (attempt %d): %s; retrying in %.1fs",
                     self.consumer,
@@ -368,8 +422,15 @@ class ConsumerRuntime:
                 if not await self._sleep_unless_stopped(delay):
                     return None
 
-    async def _deliver_once(self, batch: Batch) -> bool:
-        """One delivery attempt that a stop request lets finish within the shutdown timeout."""
+    def _count_events(self, count: int, outcome: str) -> None:
+        instruments.EVENTS.add(count, {"consumer": self.consumer, "outcome": outcome})
+
+    async def _deliver_once(self, batch: Batch) -> str | None:
+        """One delivery attempt that a stop request lets finish within the shutdown timeout.
+
+        The outcome (success, or conflict_processed when the receiver had it already), or None
+        if the batch was abandoned on shutdown.
+        """
         task = asyncio.create_task(self.sink.deliver(batch))
         stop = asyncio.create_task(self.stop_event.wait())
         lost = asyncio.create_task(self._lost.wait())
@@ -389,9 +450,8 @@ class ConsumerRuntime:
                         self.consumer,
                         batch.seq_range,
                     )
-                    return False
-            task.result()
-            return True
+                    return None
+            return task.result() or "success"
         finally:
             for pending in (task, stop, lost):
                 if not pending.done():
@@ -416,6 +476,8 @@ class ConsumerRuntime:
         self.stats.position = batch.end
         self.stats.delivered_events += delivered
         self.stats.parked_events += len(parked)
+        if parked:
+            self._count_events(len(parked), "dead")
         self.stats.delivered_batches += 1
         self.stats.last_batch_at = time.time()
 
@@ -441,6 +503,8 @@ class ConsumerRuntime:
         return waiters[next(iter(done))]
 
     def _count_wakeup(self, reason: str) -> None:
+        if reason in ("notify", "poll", "recheck"):
+            instruments.WAKEUPS.add(1, {"consumer": self.consumer, "reason": reason})
         if reason == "notify":
             self.stats.notify_wakeups += 1
         elif reason == "poll":

@@ -6,7 +6,7 @@ import aiohttp
 
 from consumer.events import Batch, DeliveryError
 from consumer.signing import sign
-from consumer.sinks.http import client_session, raise_for_outcome
+from consumer.sinks.http import client_session, client_span, raise_for_outcome
 
 INGEST_PATH = "/api/ingest/sync"
 
@@ -34,7 +34,7 @@ class FrontendSyncSink:
             await self._session.close()
             self._session = None
 
-    async def deliver(self, batch: Batch) -> None:
+    async def deliver(self, batch: Batch) -> str | None:
         """POST the batch; any non-2xx answer, timeout or network error is a DeliveryError."""
         assert self._session is not None, "start() first"
         # The batch's entries already are the wire format: wrap them without parsing.
@@ -45,10 +45,12 @@ class FrontendSyncSink:
             "Idempotency-Key": f"{self.name}:{batch.min_seq}:{batch.max_seq}:{batch.count}",
             **sign(self._secret, body),
         }
-        try:
-            async with self._session.post(self.url, data=body, headers=headers) as response:
-                await raise_for_outcome(response, f"POST {self.url}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DeliveryError(
-                f"POST {self.url} failed: {type(exc).__name__}: {exc}", code="NETWORK_ERROR"
-            ) from exc
+        with client_span("POST", self.url, headers):
+            try:
+                async with self._session.post(self.url, data=body, headers=headers) as response:
+                    outcome = await raise_for_outcome(response, f"POST {self.url}")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise DeliveryError(
+                    f"POST {self.url} failed: {type(exc).__name__}: {exc}", code="NETWORK_ERROR"
+                ) from exc
+        return "conflict_processed" if outcome == "conflict_processed" else None

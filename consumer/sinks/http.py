@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import time
+from collections.abc import Iterator
 
 import aiohttp
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind
+from yarl import URL
 
 from consumer.events import DeliveryError
+from consumer.instruments import tracer
 from consumer.redact import mask_secrets
 
 
@@ -18,6 +24,19 @@ def client_session(timeout_sec: float) -> aiohttp.ClientSession:
         connector=aiohttp.TCPConnector(limit=16, keepalive_timeout=30),
         headers={"User-Agent": "serversync"},
     )
+
+
+@contextlib.contextmanager
+def client_span(method: str, url: str, headers: dict[str, str]) -> Iterator[Span]:
+    """A client span for one HTTP call, its context put into `headers` (W3C traceparent) so the
+    receiver's span joins the same trace. A failure marks the span as an error."""
+    with tracer.start_as_current_span(
+        f"{method} {URL(url).path}",
+        kind=SpanKind.CLIENT,
+        attributes={"http.request.method": method, "url.full": url},
+    ) as span:
+        propagate.inject(headers)
+        yield span
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -43,6 +62,7 @@ RETRYABLE_4XX = frozenset({408, 425, 429})
 async def raise_for_outcome(response: aiohttp.ClientResponse, what: str) -> str:
     """ "delivered" or "conflict_processed"; DeliveryError (retryable or not) for the rest."""
     status = response.status
+    trace.get_current_span().set_attribute("http.response.status_code", status)
     if 200 <= status < 300:
         return "delivered"
     if status == DELIVERED_CONFLICT:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import orjson
 
@@ -45,6 +47,24 @@ class PreparedUpload:
 
 def _refuse(code: str, message: str) -> DeliveryError:
     return DeliveryError(message, retryable=False, code=code)
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open a regular file for reading (blocking), or refuse (RECORDING_FILE_UNREADABLE).
+
+    Opened without blocking first: a plain open() of a FIFO waits for a writer, forever, in a
+    thread nothing can cancel (the batch, and the process's exit, would hang). A FIFO, a
+    directory or a device is refused instead. OSError (FileNotFoundError, ...) as open() raises.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _refuse("RECORDING_FILE_UNREADABLE", f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class RecordingsDir:
@@ -110,7 +130,7 @@ class RecordingsDir:
         A missing or unreadable file, or a meta.json that is not JSON, is refused.
         """
         try:
-            with recording.audio.open("rb") as audio:
+            with open_regular(recording.audio) as audio:
                 size = os.fstat(audio.fileno()).st_size
                 audio_sha256 = hashlib.file_digest(audio, "sha256").hexdigest()
         except FileNotFoundError:
@@ -121,7 +141,7 @@ class RecordingsDir:
                 f"cannot read {recording.audio}: {exc.strerror or exc}",
             ) from None
         try:
-            with recording.meta.open("rb") as meta:
+            with open_regular(recording.meta) as meta:
                 meta_json = meta.read(MAX_META_BYTES + 1)
         except FileNotFoundError:
             raise _refuse("RECORDING_META_MISSING", f"{recording.meta} does not exist") from None

@@ -23,7 +23,7 @@ from consumer import failpoints
 from consumer.events import Batch, DeliveryError
 from consumer.recordings import PENDING, UPLOADED, RecordingLedger, RecordingRow
 from consumer.signing import recording_file_message, sign
-from consumer.sinks.http import client_session, raise_for_outcome
+from consumer.sinks.http import client_session, client_span, raise_for_outcome
 from consumer.sinks.local_recordings import LocalRecording, PreparedUpload, RecordingsDir
 
 log = logging.getLogger("serversync.recording_upload")
@@ -184,11 +184,12 @@ class RecordingUploadSink:
             form.add_field(
                 "meta", prepared.meta_json, filename="meta.json", content_type="application/json"
             )
-            async with self._session.post(
-                self.url, data=form, headers=headers, timeout=timeout
-            ) as response:
-                await raise_for_outcome(response, f"POST {self.url}")
-                body = await response.read()
+            with client_span("POST", self.url, headers):
+                async with self._session.post(
+                    self.url, data=form, headers=headers, timeout=timeout
+                ) as response:
+                    await raise_for_outcome(response, f"POST {self.url}")
+                    body = await response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise DeliveryError(
                 f"POST {self.url} failed: {type(exc).__name__}: {exc}", code="NETWORK_ERROR"

@@ -31,6 +31,15 @@ async def consumer_status(
     return rows
 
 
+async def outbox_stats(conn: psycopg.AsyncConnection[Any]) -> dict[str, Any]:
+    """outbox_rows (an estimate) and oldest_age_seconds (None when the outbox is empty)."""
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(query("outbox_stats"))
+        row = await cur.fetchone()
+    assert row is not None
+    return row
+
+
 async def horizon(conn: psycopg.AsyncConnection[Any], limit: int = 3) -> dict[str, Any]:
     """Committed events held back by older open transactions, and those transactions."""
     async with conn.cursor(row_factory=dict_row) as cur:
