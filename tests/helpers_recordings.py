@@ -1,25 +1,41 @@
-"""Real recordings on disk for the recording-upload tests: WAV files, rows, and a receiver."""
+"""Real recordings on disk for the recording-upload tests: WAV files, rows, the real receiver
+(in this process, with a middleware that counts and can hold uploads, or as a subprocess), and
+`serversync run recording-upload` as a real subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import math
+import os
+import signal
 import struct
+import subprocess
+import sys
 import uuid
 import wave
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import psycopg
+from aiohttp import web
 
-from consumer.receiver.recordings import RecordingFiles
-from tests.conftest import serve_receiver
+from consumer.devdb import free_port
+from consumer.events import Position
+from consumer.receiver.app import Handler, build_app
+from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles
+from consumer.receiver.store import EntityStore
+from consumer.wiring import open_pool
+from tests.conftest import ROOT, fetch_all, serve_app, wait_until
+from tests.helpers_processes import FAST_ENV, outbox_end
 
 SECRET = "recording-test-secret-0123456789"  # noqa: S105 (test-only)
+CONSUMER = "recording-upload"
 
 
 def wav_bytes(seconds: float = 0.2, rate: int = 8000, tone_hz: float = 440.0) -> bytes:
@@ -36,6 +52,20 @@ def wav_bytes(seconds: float = 0.2, rate: int = 8000, tone_hz: float = 440.0) ->
         out.setframerate(rate)
         out.writeframes(samples)
     return buffer.getvalue()
+
+
+def write_large_wav(path: Path, size: int) -> None:
+    """A WAV of `size` bytes: a real header, then silence, written as a sparse file (nothing of
+    it is ever held in memory)."""
+    frames = (size - 44) // 2
+    header = wav_bytes(seconds=0)
+    assert len(header) == 44
+    # The header names the data size: patch RIFF and data chunk lengths.
+    header = header[:4] + struct.pack("<I", 36 + frames * 2) + header[8:40]
+    header += struct.pack("<I", frames * 2)
+    with path.open("wb") as out:
+        out.write(header)
+        out.truncate(size)
 
 
 @dataclass(frozen=True)
@@ -56,14 +86,23 @@ async def make_recording(
     meta: Any = None,
     file_path: str | None = None,
     write_files: bool = True,
+    call_id: str | None = None,
+    upload_status: str = "pending",
+    audio_size: int | None = None,
 ) -> Recording:
-    """A call with a recording: files under recordings_dir/<callId>/ and the rows (pending)."""
-    call_id, recording_id = str(uuid.uuid4()), str(uuid.uuid4())
+    """A call with a recording: files under recordings_dir/<callId>/ first, then the rows (one
+    transaction: two events, the call_log's and the recording's). With `audio_size`, mixed.wav
+    is a sparse WAV of that size (its bytes are not kept in the Recording)."""
+    call_id = call_id or str(uuid.uuid4())
+    recording_id = str(uuid.uuid4())
     folder = recordings_dir / call_id
-    data = wav_bytes() if audio is None else audio
+    data = b"" if audio_size is not None else wav_bytes() if audio is None else audio
     if write_files:
         folder.mkdir(parents=True)
-        (folder / "mixed.wav").write_bytes(data)
+        if audio_size is not None:
+            write_large_wav(folder / "mixed.wav", audio_size)
+        else:
+            (folder / "mixed.wav").write_bytes(data)
         meta_value = {"callId": call_id, "codec": "pcm_s16le"} if meta is None else meta
         meta_text = meta_value if isinstance(meta_value, bytes) else orjson.dumps(meta_value)
         (folder / "meta.json").write_bytes(meta_text)
@@ -75,29 +114,430 @@ async def make_recording(
             (call_id,),
         )
         await conn.execute(
-            "INSERT INTO recordings (id, call_log_id, file_path) VALUES (%s, %s, %s)",
-            (recording_id, call_id, file_path or f"{call_id}/mixed.wav"),
+            "INSERT INTO recordings (id, call_log_id, file_path, upload_status) "
+            "VALUES (%s, %s, %s, %s)",
+            (recording_id, call_id, file_path or f"{call_id}/mixed.wav", upload_status),
         )
     return Recording(call_id, recording_id, folder, data)
 
 
-async def recording_row(dsn: str, recording_id: str) -> tuple[str, str | None]:
-    """(upload_status, s3_url) of a recording."""
+async def execute(dsn: str, statement: Any, params: Any = None) -> None:
+    """One statement on a short-lived autocommit connection."""
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
     async with conn:
-        cur = await conn.execute(
-            "SELECT upload_status, s3_url FROM recordings WHERE id = %s", (recording_id,)
-        )
-        row = await cur.fetchone()
-    assert row is not None
-    return row[0], row[1]
+        await conn.execute(statement, params)
+
+
+async def recording_row(dsn: str, recording_id: str) -> tuple[str, str | None]:
+    """(upload_status, s3_url) of a recording."""
+    rows = await fetch_all(
+        dsn, "SELECT upload_status, s3_url FROM recordings WHERE id = %s", (recording_id,)
+    )
+    assert rows, f"no recordings row {recording_id}"
+    return rows[0][0], rows[0][1]
+
+
+async def wait_uploaded(dsn: str, recording_id: str, timeout: float = 10.0) -> str:
+    """Wait until the row is marked uploaded; its s3_url."""
+
+    async def uploaded() -> bool:
+        return (await recording_row(dsn, recording_id))[0] == "uploaded"
+
+    await wait_until(uploaded, timeout=timeout, what=f"recording {recording_id} marked uploaded")
+    url = (await recording_row(dsn, recording_id))[1]
+    assert url is not None
+    return url
+
+
+# -- the consumer's position and its dead letters --------------------------------------------
+
+
+async def upload_position(dsn: str) -> Position | None:
+    """recording-upload's offset, or None before it first ran."""
+    rows = await fetch_all(
+        dsn,
+        "SELECT last_txid::text, last_seq FROM sync.consumer_offsets WHERE consumer = %s",
+        (CONSUMER,),
+    )
+    return Position(int(rows[0][0]), rows[0][1]) if rows else None
+
+
+async def event_position(dsn: str, recording_id: str) -> Position:
+    """Where the first event about the recording stands in the outbox."""
+    rows = await fetch_all(
+        dsn,
+        "SELECT o.txid::text, o.seq FROM sync.events_outbox o "
+        "WHERE o.entity_type = 'recording' AND o.entity_id = %s ORDER BY o.txid, o.seq LIMIT 1",
+        (recording_id,),
+    )
+    assert rows, f"no event for recording {recording_id}"
+    return Position(int(rows[0][0]), rows[0][1])
+
+
+async def wait_offset_at_end(dsn: str, timeout: float = 10.0) -> Position:
+    """Wait until recording-upload's offset stands at the last event of the outbox (the end
+    read after the offset: events the consumer causes itself, its marks, count too)."""
+    reached: list[Position] = []
+
+    async def at_end() -> bool:
+        position = await upload_position(dsn)
+        end = await outbox_end(dsn)
+        if end is not None and position == Position(*end):
+            reached.append(position)
+            return True
+        return False
+
+    await wait_until(at_end, timeout=timeout, interval=0.05, what="the offset at the outbox's end")
+    return reached[0]
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A dead letter of recording-upload."""
+
+    id: str
+    seq: int
+    status: str
+    error_code: str
+    error_message: str
+
+
+async def parked(dsn: str) -> dict[str, Parked]:
+    """recording-upload's dead letters by entity id (the recording id)."""
+    rows = await fetch_all(
+        dsn,
+        "SELECT entity_id, id::text, seq, status, error_code, error_message "
+        "FROM sync.dlq_messages WHERE consumer = %s ORDER BY seq",
+        (CONSUMER,),
+    )
+    return {r[0]: Parked(r[1], r[2], r[3], r[4], r[5]) for r in rows}
+
+
+async def all_dead_letters(dsn: str) -> int:
+    """How many dead letters there are, of every consumer."""
+    rows = await fetch_all(dsn, "SELECT count(*) FROM sync.dlq_messages")
+    return int(rows[0][0])
+
+
+# -- the receiver's side -----------------------------------------------------------------------
+
+
+def stored_files(store: Path, recording_id: str) -> list[Path]:
+    """Every file the receiver keeps for a recording (its audio and meta)."""
+    return sorted(p for p in store.rglob(f"{recording_id}*") if ".incoming" not in p.parts)
+
+
+def incoming_leftovers(store: Path) -> list[Path]:
+    """Temporary upload files left in the receiver's .incoming/."""
+    incoming = store / ".incoming"
+    return sorted(incoming.iterdir()) if incoming.exists() else []
+
+
+@dataclass
+class Upload:
+    """One POST /api/ingest/recording-file as the receiver saw it."""
+
+    recording_id: str
+    status: int | None = None
+    file_url: str | None = None
+
+
+@dataclass
+class UploadLog:
+    """Counts the uploads reaching the real receiver app (a middleware in front of it), and can
+    hold them (by recording id, or all of them) until released."""
+
+    uploads: list[Upload] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    hold_all: bool = False
+    hold_ids: set[str] = field(default_factory=set)
+    released: set[str] = field(default_factory=set)
+    # Recording ids of the requests being held right now.
+    waiting: list[str] = field(default_factory=list)
+    _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def count(self, recording_id: str) -> int:
+        """How many uploads of this recording arrived."""
+        return sum(1 for u in self.uploads if u.recording_id == recording_id)
+
+    def ids(self) -> set[str]:
+        """The recording ids of every upload that arrived."""
+        return {u.recording_id for u in self.uploads}
+
+    def file_urls(self, recording_id: str) -> list[str | None]:
+        """The fileUrl answered to each upload of this recording (None for a refusal)."""
+        return [u.file_url for u in self.uploads if u.recording_id == recording_id]
+
+    def statuses(self, recording_id: str) -> list[int | None]:
+        """The HTTP status answered to each upload of this recording."""
+        return [u.status for u in self.uploads if u.recording_id == recording_id]
+
+    def _held(self, recording_id: str) -> bool:
+        if recording_id in self.released:
+            return False
+        return self.hold_all or recording_id in self.hold_ids
+
+    async def hold_only(self, *recording_ids: str) -> None:
+        """Hold these uploads (if not released yet) and let every other one through."""
+        async with self._changed:
+            self.hold_all = False
+            self.hold_ids = set(recording_ids)
+            self._changed.notify_all()
+
+    async def release(self, *recording_ids: str) -> None:
+        """Let these held uploads (every one when none is named) through; hold no new ones of
+        them."""
+        async with self._changed:
+            if recording_ids:
+                self.released.update(recording_ids)
+            else:
+                self.hold_all = False
+                self.hold_ids.clear()
+            self._changed.notify_all()
+
+    def middleware(self) -> Any:
+        """The aiohttp middleware to put in front of the receiver's handlers."""
+
+        @web.middleware
+        async def count_uploads(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.method != "POST" or request.path != UPLOAD_PATH:
+                return await handler(request)
+            key = request.headers.get("Idempotency-Key", "")
+            upload = Upload(key.partition(":")[2])
+            self.uploads.append(upload)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                if self._held(upload.recording_id):
+                    self.waiting.append(upload.recording_id)
+                    try:
+                        async with self._changed:
+                            await self._changed.wait_for(
+                                lambda: not self._held(upload.recording_id)
+                            )
+                    finally:
+                        self.waiting.remove(upload.recording_id)
+                response = await handler(request)
+                upload.status = response.status
+                if response.status == 200 and isinstance(response, web.Response):
+                    assert isinstance(response.body, bytes)
+                    upload.file_url = orjson.loads(response.body)["fileUrl"]
+                return response
+            finally:
+                self.in_flight -= 1
+
+        return count_uploads
+
+
+@dataclass
+class Receiver:
+    """The real receiver on loopback, keeping recordings in `store`."""
+
+    url: str
+    store: Path
+    log: UploadLog
 
 
 @contextlib.asynccontextmanager
 async def recording_receiver(
     receiver_dsn: str, store_dir: Path, *, max_bytes: int = 64 * 1024 * 1024
-) -> AsyncIterator[str]:
-    """The reference receiver, signed, keeping recordings in store_dir."""
+) -> AsyncIterator[Receiver]:
+    """The reference receiver app (signed, keeping recordings in store_dir) with an UploadLog
+    in front of it, on a free loopback port."""
     files = RecordingFiles(store_dir, max_bytes=max_bytes)
-    async with serve_receiver(receiver_dsn, recordings=files, shared_secret=SECRET) as url:
-        yield url
+    files.prepare()
+    log = UploadLog()
+    async with open_pool(receiver_dsn, "test-ingest", max_size=4) as pool:
+        app = build_app(
+            EntityStore(pool),
+            max_body_bytes=1024 * 1024,
+            shared_secret=SECRET,
+            recordings=files,
+        )
+        app.middlewares.insert(0, log.middleware())
+        async with serve_app(app, shutdown_timeout=1.0) as url:
+            try:
+                yield Receiver(url, store_dir, log)
+            finally:
+                # Held uploads must end before the server can shut down.
+                await log.release()
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def _base_env() -> dict[str, str]:
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("SYNC_", "DATABASE_URL", "FRONTEND_", "PG", "RECORDINGS_", "INGEST_", "SERVERSYNC_")
+        )
+    }
+
+
+def consumer_env(dsn: str, frontend_url: str, recordings_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of `serversync run recording-upload` (FAST_ENV timers, signed)."""
+    return {
+        **_base_env(),
+        **FAST_ENV,
+        "DATABASE_URL": dsn,
+        "FRONTEND_BASE_URL": frontend_url,
+        "RECORDINGS_DIR": str(recordings_dir),
+        "SYNC_SHARED_SECRET": SECRET,
+        **extra,
+    }
+
+
+class Process:
+    """`python -m consumer --log-format text ARGS...` with its output in a file."""
+
+    def __init__(self, name: str, log_path: Path, args: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log_file = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "consumer", "--log-format", "text", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """None while running."""
+        return self.proc.poll()
+
+    def log(self) -> str:
+        """Everything the process wrote so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def assert_alive(self) -> None:
+        """Fail with the log if the process ended."""
+        assert self.proc.poll() is None, (
+            f"{self.name} exited with {self.proc.returncode}:\n{self.log()}"
+        )
+
+    def memory_kib(self, key: str) -> int:
+        """A line of /proc/<pid>/status in KiB (VmRSS: now; VmHWM: the peak so far)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == key:
+                return int(value.split()[0])
+        raise AssertionError(f"no {key} in /proc/{self.pid}/status")
+
+    async def wait_exit(self, timeout: float) -> int:
+        """Wait for the process to end; its return code."""
+        await wait_until(
+            lambda: self.proc.poll() is not None,
+            timeout=timeout,
+            what=f"{self.name} (pid {self.pid}) to exit",
+        )
+        code = self.proc.poll()
+        assert code is not None
+        return code
+
+    async def wait_log(self, text: str, timeout: float = 10.0) -> None:
+        """Wait until the log holds `text`; fail early if the process ended without it."""
+
+        def logged() -> bool:
+            if text in self.log():
+                return True
+            assert self.proc.poll() is None or text in self.log(), (
+                f"{self.name} exited with {self.proc.returncode} before logging {text!r}:\n"
+                + self.log()
+            )
+            return False
+
+        await wait_until(logged, timeout=timeout, what=f"{self.name} to log {text!r}")
+
+    async def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM and wait for the exit."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return await self.wait_exit(timeout)
+
+    def close(self) -> None:
+        """Kill the process if it still runs, reap it, close the log."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._log_file.close()
+
+
+class Processes:
+    """Starts processes for one test; kills leftovers and prints every log at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[Process] = []
+
+    def _start(self, name: str, args: list[str], env: dict[str, str]) -> Process:
+        process = Process(name, self.log_dir / f"{name}.log", args, env)
+        self.started.append(process)
+        return process
+
+    def consumer(
+        self, dsn: str, frontend_url: str, recordings_dir: Path, name: str, **extra: str
+    ) -> Process:
+        """`serversync run recording-upload`; `extra` adds or overrides variables."""
+        env = consumer_env(dsn, frontend_url, recordings_dir, **extra)
+        return self._start(name, ["run", CONSUMER], env)
+
+    async def ingest_server(
+        self, receiver_dsn: str, store: Path, name: str = "ingest-server", **extra: str
+    ) -> tuple[str, Process]:
+        """`serversync ingest-server` on a free loopback port, once it answers: its base URL and
+        the process."""
+        port = free_port()
+        env = {
+            **_base_env(),
+            "FRONTEND_DATABASE_URL": receiver_dsn,
+            "INGEST_HOST": "127.0.0.1",
+            "INGEST_PORT": str(port),
+            "RECORDINGS_STORE_DIR": str(store),
+            "SYNC_SHARED_SECRET": SECRET,
+            **extra,
+        }
+        process = self._start(name, ["ingest-server"], env)
+        url = f"http://127.0.0.1:{port}"
+
+        async def healthy() -> bool:
+            process.assert_alive()
+            with contextlib.suppress(aiohttp.ClientError):
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.get(url + "/healthz") as response,
+                ):
+                    return response.status == 200
+            return False
+
+        await wait_until(healthy, timeout=20, interval=0.05, what=f"{name} to answer")
+        return url, process
+
+    def close(self) -> None:
+        """Kill what still runs; print the logs (pytest shows them when a test fails)."""
+        for process in self.started:
+            process.close()
+        for process in self.started:
+            print(f"===== {process.name} (pid {process.pid}, exit {process.returncode}) =====")
+            print(process.log())
+
+
+@contextlib.contextmanager
+def processes(log_dir: Path) -> Iterator[Processes]:
+    """A Processes that cleans up after itself."""
+    started = Processes(log_dir)
+    try:
+        yield started
+    finally:
+        started.close()

@@ -9,12 +9,12 @@ retryable, so the event is parked with a code saying why.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import orjson
 
@@ -25,6 +25,10 @@ META_NAME = "meta.json"
 MAX_META_BYTES = 1024 * 1024
 
 
+# What identifies the files as they are now: (device, inode, size, mtime_ns) of audio and meta.
+FilesState = tuple[tuple[int, int, int, int], ...]
+
+
 @dataclass(frozen=True)
 class LocalRecording:
     """Where one recording's files are."""
@@ -33,6 +37,14 @@ class LocalRecording:
     folder: Path
     audio: Path
     meta: Path
+
+    def state(self) -> FilesState | None:
+        """The files' identity and version now (blocking); None if one cannot be looked at."""
+        try:
+            found = [os.stat(path) for path in (self.audio, self.meta)]
+        except OSError:
+            return None
+        return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns) for s in found)
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,7 @@ def _refuse(code: str, message: str) -> DeliveryError:
     return DeliveryError(message, retryable=False, code=code)
 
 
-def open_regular(path: Path) -> BinaryIO:
+def open_regular(path: Path) -> io.BufferedReader:
     """Open a regular file for reading (blocking), or refuse (RECORDING_FILE_UNREADABLE).
 
     Opened without blocking first: a plain open() of a FIFO waits for a writer, forever, in a
@@ -80,6 +92,15 @@ class RecordingsDir:
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
             return f"RECORDINGS_DIR {self.root} is not readable and writable by this user"
         return None
+
+    def _raise_if_root_gone(self) -> None:
+        """A missing file is the recording's fault only while RECORDINGS_DIR itself is there:
+        an unmounted or removed directory is passing trouble, retried, never parked."""
+        if not self.root.is_dir():
+            raise DeliveryError(
+                f"RECORDINGS_DIR {self.root} is not there (unmounted or removed?)",
+                code="RECORDINGS_DIR_UNAVAILABLE",
+            )
 
     def locate(self, file_path: str) -> LocalRecording:
         """The files of a row's `file_path`, or a refusal (RECORDING_PATH_REFUSED).
@@ -134,6 +155,7 @@ class RecordingsDir:
                 size = os.fstat(audio.fileno()).st_size
                 audio_sha256 = hashlib.file_digest(audio, "sha256").hexdigest()
         except FileNotFoundError:
+            self._raise_if_root_gone()
             raise _refuse("RECORDING_FILE_MISSING", f"{recording.audio} does not exist") from None
         except OSError as exc:
             raise _refuse(
@@ -144,6 +166,7 @@ class RecordingsDir:
             with open_regular(recording.meta) as meta:
                 meta_json = meta.read(MAX_META_BYTES + 1)
         except FileNotFoundError:
+            self._raise_if_root_gone()
             raise _refuse("RECORDING_META_MISSING", f"{recording.meta} does not exist") from None
         except OSError as exc:
             raise _refuse(

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -24,7 +26,13 @@ from consumer.events import Batch, DeliveryError
 from consumer.recordings import PENDING, UPLOADED, RecordingLedger, RecordingRow
 from consumer.signing import recording_file_message, sign
 from consumer.sinks.http import client_session, client_span, raise_for_outcome
-from consumer.sinks.local_recordings import LocalRecording, PreparedUpload, RecordingsDir
+from consumer.sinks.local_recordings import (
+    FilesState,
+    LocalRecording,
+    PreparedUpload,
+    RecordingsDir,
+    open_regular,
+)
 
 log = logging.getLogger("serversync.recording_upload")
 
@@ -34,6 +42,8 @@ RECORDING_ENTITY = "recording"
 # a 100 MB file is not cut off by a 30 s timeout meant for small requests, and a stalled upload
 # still ends.
 MIN_UPLOAD_RATE = 1024 * 1024
+# How long a refusal by the receiver is remembered for the runtime's narrowing (see _Refusal).
+REFUSAL_MEMORY_SEC = 600.0
 
 
 def wants(entry: dict[str, Any]) -> bool:
@@ -45,6 +55,22 @@ def wants(entry: dict[str, Any]) -> bool:
         and isinstance(payload, dict)
         and payload.get("upload_status") == PENDING
     )
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """The receiver refused these files (a 4xx such as 413) in a batch of several events: the
+    runtime now splits the batch in halves and delivers each again until the refused event
+    stands alone, to park just it. Each narrower try answers this refusal instead of sending the
+    file again (a 1 GB file refused once must not cross the network once per halving); the
+    one-event try at the end answers it one last time and forgets it. Only while the files are
+    unchanged and for a while. A refusal in a one-event batch is never remembered: an operator's
+    retry from the dead-letter queue is always really tried (the receiver's limit may have been
+    raised meanwhile)."""
+
+    files: FilesState
+    error: DeliveryError
+    at: float
 
 
 class RecordingUploadSink:
@@ -69,6 +95,7 @@ class RecordingUploadSink:
         self._secret = shared_secret
         self._slots = asyncio.Semaphore(concurrency)
         self._session: aiohttp.ClientSession | None = None
+        self._refusals: dict[str, _Refusal] = {}
 
     async def start(self) -> None:
         """Open the HTTP session."""
@@ -91,7 +118,10 @@ class RecordingUploadSink:
         ids = list(dict.fromkeys(entry["entityId"] for entry in batch.entries() if wants(entry)))
         if not ids:
             return
-        outcomes = await asyncio.gather(*(self._handle(rid) for rid in ids), return_exceptions=True)
+        alone = batch.count == 1
+        outcomes = await asyncio.gather(
+            *(self._handle(rid, alone) for rid in ids), return_exceptions=True
+        )
         failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         for failure in failures:
             if not isinstance(failure, DeliveryError):
@@ -102,7 +132,7 @@ class RecordingUploadSink:
         if failures:
             raise failures[0]
 
-    async def _handle(self, recording_id: str) -> None:
+    async def _handle(self, recording_id: str, alone: bool) -> None:
         async with self._slots:
             row = await self.ledger.recording(recording_id)
             if row is None:
@@ -115,8 +145,17 @@ class RecordingUploadSink:
                 log.info("recording %s: status %s; skipped", recording_id, row.upload_status)
                 return
             local = self.recordings.locate(row.file_path)
+            state = await asyncio.to_thread(local.state)
+            refused = self._recall_refusal(recording_id, state, alone)
+            if refused is not None:
+                raise refused
             prepared = await asyncio.to_thread(self.recordings.prepare, local)
-            file_url = await self._upload(row, local, prepared)
+            try:
+                file_url = await self._upload(row, local, prepared)
+            except DeliveryError as exc:
+                if not exc.retryable and not alone and state is not None:
+                    self._remember_refusal(recording_id, state, exc)
+                raise
             failpoints.reach("recording-upload.after-upload")
             await self.ledger.mark_uploaded(recording_id, file_url)
             failpoints.reach("recording-upload.after-mark")
@@ -128,6 +167,31 @@ class RecordingUploadSink:
                 file_url,
                 extra={"recording_id": recording_id, "file_url": file_url},
             )
+
+    def _remember_refusal(self, recording_id: str, state: FilesState, error: DeliveryError) -> None:
+        now = time.monotonic()
+        self._refusals = {
+            rid: r for rid, r in self._refusals.items() if now - r.at < REFUSAL_MEMORY_SEC
+        }
+        self._refusals[recording_id] = _Refusal(state, error, now)
+
+    def _recall_refusal(
+        self, recording_id: str, state: FilesState | None, alone: bool
+    ) -> DeliveryError | None:
+        """The receiver's refusal of these very files during this narrowing, if there was one
+        (see _Refusal); a one-event batch consumes it."""
+        refusal = self._refusals.pop(recording_id, None)
+        if (
+            refusal is None
+            or refusal.files != state
+            or time.monotonic() - refusal.at >= REFUSAL_MEMORY_SEC
+        ):
+            return None
+        if not alone:
+            self._refusals[recording_id] = refusal
+        log.info("recording %s: refused by the receiver a moment ago; not sent again", recording_id)
+        error = refusal.error
+        return DeliveryError(str(error), retryable=False, code=error.code)
 
     async def _remove_leftover(self, row: RecordingRow) -> None:
         """A row already uploaded: its folder may outlive a crash between marking and deleting."""
@@ -166,7 +230,7 @@ class RecordingUploadSink:
         }
         timeout = aiohttp.ClientTimeout(total=self._timeout + prepared.audio_size / MIN_UPLOAD_RATE)
         try:
-            audio = await asyncio.to_thread(local.audio.open, "rb")
+            audio = await asyncio.to_thread(open_regular, local.audio)
         except OSError as exc:
             raise DeliveryError(
                 f"cannot read {local.audio}: {exc.strerror or exc}",
