@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -23,8 +24,10 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import Status
+from opentelemetry.util.types import Attributes, AttributeValue
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from consumer.redact import mask_secrets
@@ -89,6 +92,65 @@ def _otlp_wanted(signal: str) -> bool:
     )
 
 
+def _masked_value(value: AttributeValue) -> AttributeValue:
+    if isinstance(value, str):
+        return mask_secrets(value)
+    if isinstance(value, Sequence) and value and isinstance(value[0], str):
+        return [mask_secrets(str(item)) for item in value]
+    return value
+
+
+def _masked_attributes(attributes: Attributes) -> Attributes:
+    if not attributes:
+        return attributes
+    return {key: _masked_value(value) for key, value in attributes.items()}
+
+
+def masked_span(span: ReadableSpan) -> ReadableSpan:
+    """A copy of the span with secrets masked in its attributes, its events' attributes (a
+    recorded exception's message and stack trace) and its status description."""
+    status = span.status
+    description = status.description and mask_secrets(status.description)
+    return ReadableSpan(
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=_masked_attributes(span.attributes),
+        events=[
+            Event(event.name, _masked_attributes(event.attributes), event.timestamp)
+            for event in span.events
+        ],
+        links=span.links,
+        kind=span.kind,
+        status=Status(status.status_code, description),
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
+class MaskingSpanExporter(SpanExporter):
+    """Masks secrets in every span before `exporter` sends it: a URL with a password in
+    url.full, or an exception recorded with such a URL, must not leave the process in a trace
+    any more than in a log line."""
+
+    def __init__(self, exporter: SpanExporter) -> None:
+        self._exporter = exporter
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Mask, then export."""
+        return self._exporter.export([masked_span(span) for span in spans])
+
+    def shutdown(self) -> None:
+        """Shut the wrapped exporter down."""
+        self._exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Flush the wrapped exporter."""
+        return self._exporter.force_flush(timeout_millis)
+
+
 @dataclass
 class Telemetry:
     """The process's metrics and traces, as set up by setup_telemetry."""
@@ -124,6 +186,8 @@ def setup_telemetry(service_name: str) -> Telemetry:
     # and, propagated in headers, let the receiver's logs name the same trace.
     tracer_provider = TracerProvider(resource=resource)
     if _otlp_wanted("TRACES"):
-        tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        tracer_provider.add_span_processor(
+            BatchSpanProcessor(MaskingSpanExporter(OTLPSpanExporter()))
+        )
     trace.set_tracer_provider(tracer_provider)
     return Telemetry(meter_provider, tracer_provider)

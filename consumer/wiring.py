@@ -251,7 +251,14 @@ async def serve_ops_http(
         )
 
         async def ping() -> None:
-            async with pool.connection(timeout=PING_TIMEOUT_SEC) as conn:
+            # A connection of its own, not one from the pool: while the server is down the pool
+            # only times out, and a new connection says why (refused, auth, shutting down).
+            async with await psycopg.AsyncConnection.connect(
+                settings.database_url,
+                autocommit=True,
+                connect_timeout=max(1, int(PING_TIMEOUT_SEC) - 1),
+                **connect_kwargs("readyz"),
+            ) as conn:
                 await conn.execute("SELECT 1")
 
         app = build_ops_app(
@@ -335,7 +342,8 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        log.info("ingest-server listening on http://%s:%d", settings.host, settings.port)
+        host, port = runner.addresses[0][:2]
+        log.info("ingest-server listening on http://%s:%d", host, port)
         stop = asyncio.Event()
         _install_stop_handlers(stop.set)
         try:

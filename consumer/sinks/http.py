@@ -33,7 +33,8 @@ def client_span(method: str, url: str, headers: dict[str, str]) -> Iterator[Span
     with tracer.start_as_current_span(
         f"{method} {URL(url).path}",
         kind=SpanKind.CLIENT,
-        attributes={"http.request.method": method, "url.full": url},
+        # Semantic conventions: credentials in url.full must be redacted.
+        attributes={"http.request.method": method, "url.full": mask_secrets(url)},
     ) as span:
         propagate.inject(headers)
         yield span

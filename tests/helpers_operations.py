@@ -1,0 +1,493 @@
+"""Helpers for the operations tests: `serversync` subprocesses with their output in a file, a
+Prometheus scraper, a receiver scripted by payload, and an OTLP/HTTP collector (real aiohttp
+servers on loopback)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psycopg
+from aiohttp import web
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from tests.conftest import ROOT, serve_app, wait_until
+from tests.helpers_processes import CONSUMER, FAST_ENV, INGEST_PATH
+
+OPS_URL = re.compile(r"health, readiness and metrics on (http://127\.0\.0\.1:\d+)")
+# Labels the OpenTelemetry Prometheus exporter adds to every serversync series.
+SCOPE_LABELS = frozenset({"otel_scope_name", "otel_scope_version", "otel_scope_schema_url"})
+
+# -- serversync processes ------------------------------------------------------------------------
+
+
+class ServersyncProcess:
+    """`python -m consumer ARGS...` with stdout and stderr in one file (nothing else writes
+    to stdout for `run` and `ingest-server`)."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log_file = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "consumer", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+
+    @property
+    def pid(self) -> int:
+        """The process id."""
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """None while running."""
+        return self.proc.poll()
+
+    def log(self) -> str:
+        """Everything the process wrote so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        """SIGTERM: a graceful stop."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    async def wait_exit(self, timeout: float = 10.0) -> int:
+        """Wait for the process to end; its return code."""
+        await wait_until(
+            lambda: self.proc.poll() is not None,
+            timeout=timeout,
+            what=f"{self.name} (pid {self.pid}) to exit",
+        )
+        code = self.proc.poll()
+        assert code is not None
+        return code
+
+    async def wait_log(self, pattern: str | re.Pattern[str], timeout: float = 10.0) -> str:
+        """Wait until the output holds `pattern` (a substring or a regex); the first match.
+        Fails at once if the process died first."""
+
+        def find() -> str | None:
+            text = self.log()
+            if isinstance(pattern, str):
+                return pattern if pattern in text else None
+            match = pattern.search(text)
+            return match.group(0) if match else None
+
+        found: list[str] = []
+
+        def logged() -> bool:
+            if (hit := find()) is not None:
+                found.append(hit)
+                return True
+            assert self.proc.poll() is None, (
+                f"{self.name} exited with {self.proc.returncode} before logging {pattern!r}:\n"
+                + self.log()
+            )
+            return False
+
+        await wait_until(logged, timeout=timeout, what=f"{self.name} to log {pattern!r}")
+        return found[0]
+
+    async def ops_url(self, timeout: float = 15.0) -> str:
+        """The base URL of a consumer's /healthz, /readyz and /metrics (SYNC_HTTP_PORT=0: read
+        from the line the process logs at start)."""
+        line = await self.wait_log(OPS_URL, timeout)
+        match = OPS_URL.search(line)
+        assert match is not None
+        return match.group(1)
+
+    def close(self) -> None:
+        """Kill the process if it still runs, reap it, close the log."""
+        self.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._log_file.close()
+
+
+def process_env(**variables: str) -> dict[str, str]:
+    """This process's environment without any serversync, PostgreSQL or OpenTelemetry setting,
+    plus FAST_ENV, INFO logs, gauges refreshed every 0.2 s, and `variables`."""
+    base = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("SYNC_", "DATABASE_URL", "FRONTEND_", "INGEST_", "PG", "OTEL_"))
+    }
+    return {
+        **base,
+        **FAST_ENV,
+        "SYNC_LOG_LEVEL": "INFO",
+        "SYNC_METRICS_INTERVAL_SEC": "0.2",
+        **variables,
+    }
+
+
+class Processes:
+    """Starts serversync processes for one test, and kills leftovers at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.processes: list[ServersyncProcess] = []
+
+    def start(self, name: str, args: list[str], **env: str) -> ServersyncProcess:
+        """`serversync ARGS...` with process_env(**env)."""
+        process = ServersyncProcess(name, args, process_env(**env), self.log_dir / f"{name}.log")
+        self.processes.append(process)
+        return process
+
+    def consumer(
+        self,
+        database_url: str,
+        frontend_url: str,
+        name: str = "consumer",
+        *,
+        log_format: str | None = "text",
+        **env: str,
+    ) -> ServersyncProcess:
+        """`serversync [--log-format FORMAT] run frontend-sync` (None: the default format)."""
+        args = ["--log-format", log_format] if log_format else []
+        return self.start(
+            name,
+            [*args, "run", CONSUMER],
+            DATABASE_URL=database_url,
+            FRONTEND_BASE_URL=frontend_url,
+            **env,
+        )
+
+    def close(self) -> None:
+        """Kill every process still running and print every log (shown when a test fails)."""
+        for process in self.processes:
+            process.close()
+        for process in self.processes:
+            print(f"===== {process.name} (pid {process.pid}, exit {process.returncode}) =====")
+            print(process.log())
+
+
+@contextlib.contextmanager
+def processes(log_dir: Path) -> Iterator[Processes]:
+    """A Processes that cleans up after itself."""
+    launched = Processes(log_dir)
+    try:
+        yield launched
+    finally:
+        launched.close()
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """Every line of a JSON log; fails on a line that is not one JSON object."""
+    entries = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            entry = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            raise AssertionError(f"not a JSON log line: {line!r}") from None
+        assert isinstance(entry, dict), line
+        entries.append(entry)
+    return entries
+
+
+# -- HTTP ----------------------------------------------------------------------------------------
+
+
+async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    """GET; the status and the JSON body (every answer of the ops port must be JSON)."""
+    async with http.get(url) as response:
+        assert response.content_type == "application/json", await response.text()
+        return response.status, orjson.loads(await response.read())
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One parsed Prometheus exposition."""
+
+    types: dict[str, str]  # family name -> counter, gauge, histogram, ...
+    samples: list[Sample]
+
+    @property
+    def names(self) -> set[str]:
+        """Every sample name (histograms as _bucket, _sum and _count; counters with _total)."""
+        return {s.name for s in self.samples}
+
+    def series(self, name: str) -> dict[frozenset[tuple[str, str]], float]:
+        """Every sample of `name`: its labels (without the exporter's scope labels) -> value."""
+        return {
+            frozenset((k, v) for k, v in s.labels.items() if k not in SCOPE_LABELS): s.value
+            for s in self.samples
+            if s.name == name
+        }
+
+    def by_label(self, name: str, label: str, **labels: str) -> dict[str, float]:
+        """The samples of `name` that carry `labels`, by the value of `label`."""
+        found: dict[str, float] = {}
+        for key, value in self.series(name).items():
+            as_dict = dict(key)
+            if all(as_dict.get(k) == v for k, v in labels.items()) and label in as_dict:
+                found[as_dict[label]] = value
+        return found
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The one sample of `name` whose labels are exactly `labels` (None if there is none)."""
+        return self.series(name).get(frozenset(labels.items()))
+
+
+async def scrape(http: aiohttp.ClientSession, base_url: str) -> Scrape:
+    """GET /metrics and parse it as Prometheus does."""
+    async with http.get(base_url + "/metrics") as response:
+        assert response.status == 200, await response.text()
+        assert response.headers["Content-Type"].startswith("text/plain"), response.headers
+        text = await response.text()
+    types: dict[str, str] = {}
+    samples: list[Sample] = []
+    for family in text_string_to_metric_families(text):
+        types[family.name] = family.type
+        samples += family.samples
+    return Scrape(types, samples)
+
+
+async def wait_metric(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    name: str,
+    expected: float,
+    *,
+    timeout: float = 10.0,
+    **labels: str,
+) -> Scrape:
+    """Scrape until the sample `name{labels}` equals `expected`; the last scrape."""
+    last: list[Scrape] = []
+
+    async def reached() -> bool:
+        last[:] = [await scrape(http, base_url)]
+        return last[0].value(name, **labels) == expected
+
+    try:
+        await wait_until(reached, timeout=timeout, interval=0.05, what=f"{name}{labels}")
+    except AssertionError as exc:
+        seen = last[0].value(name, **labels) if last else None
+        raise AssertionError(f"{exc}: wanted {expected}, last scraped {seen}") from None
+    return last[0]
+
+
+async def wait_ready(
+    http: aiohttp.ClientSession, base_url: str, role: str, timeout: float = 10.0
+) -> dict[str, Any]:
+    """Wait until /readyz answers 200 with `role`; its body."""
+    answers: list[tuple[int, Any]] = []
+
+    async def ready() -> bool:
+        answers[:] = [await get_json(http, base_url + "/readyz")]
+        status, body = answers[0]
+        return bool(status == 200 and body.get("role") == role)
+
+    try:
+        await wait_until(ready, timeout=timeout, interval=0.05, what=f"/readyz 200 as {role}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last answer {answers}") from None
+    body: dict[str, Any] = answers[0][1]
+    return body
+
+
+# -- a receiver scripted by payload --------------------------------------------------------------
+
+
+@dataclass
+class OutcomeReceiver:
+    """A receiver on loopback deciding by each entry's payload caller_number: 422 for a request
+    holding a refused one, 409 for one holding a conflicting one; the next `fail_remaining`
+    other requests get `fail_status` with `fail_body`; the rest are accepted (200)."""
+
+    url: str = ""
+    refuse: set[str] = field(default_factory=set)
+    conflict: set[str] = field(default_factory=set)
+    fail_remaining: int = 0
+    fail_status: int = 503
+    fail_body: str = '{"error": {"code": "DOWN", "message": "try later"}}'
+    # The status of every answer, in order.
+    answers: list[int] = field(default_factory=list)
+    accepted: list[str] = field(default_factory=list)
+
+    def with_password(self, user: str, password: str) -> str:
+        """The base URL with user:password in it."""
+        return self.url.replace("http://", f"http://{user}:{password}@", 1)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        """POST /api/ingest/sync."""
+        entries: list[dict[str, Any]] = orjson.loads(await request.read())["entries"]
+        callers = [str(e["payload"]["caller_number"]) for e in entries]
+        if set(callers) & self.refuse:
+            status, body = 422, '{"error": {"code": "REFUSED", "message": "refused"}}'
+        elif set(callers) & self.conflict:
+            status, body = 409, '{"error": {"code": "ALREADY", "message": "had it"}}'
+        elif self.fail_remaining > 0:
+            self.fail_remaining -= 1
+            status, body = self.fail_status, self.fail_body
+        else:
+            self.accepted += callers
+            status, body = 200, '{"ok": true}'
+        self.answers.append(status)
+        return web.Response(status=status, text=body, content_type="application/json")
+
+
+@contextlib.asynccontextmanager
+async def outcome_receiver() -> AsyncIterator[OutcomeReceiver]:
+    """An OutcomeReceiver on a free loopback port."""
+    receiver = OutcomeReceiver()
+    app = web.Application()
+    app.router.add_post(INGEST_PATH, receiver.handle)
+    async with serve_app(app, shutdown_timeout=1.0) as url:
+        receiver.url = url
+        yield receiver
+
+
+async def insert_callers(dsn: str, callers: list[str]) -> None:
+    """One call log per caller number, all in one transaction (one batch for the consumer)."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        await conn.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) "
+            "SELECT c, 'x' FROM unnest(%s::text[]) WITH ORDINALITY AS u(c, n) ORDER BY n",
+            (callers,),
+        )
+
+
+# -- an OTLP/HTTP collector ----------------------------------------------------------------------
+
+
+def attribute(attributes: Any, key: str) -> Any:
+    """The value of one OTLP attribute (None if absent)."""
+    for kv in attributes:
+        assert isinstance(kv, KeyValue)
+        if kv.key == key:
+            return any_value(kv.value)
+    return None
+
+
+def any_value(value: AnyValue) -> Any:
+    """An OTLP AnyValue as Python."""
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
+
+
+@dataclass(frozen=True)
+class CollectedSpan:
+    """One exported span and the service that exported it."""
+
+    service: str
+    span: Span
+    received: float
+
+    @property
+    def trace_id(self) -> str:
+        """32 hex digits."""
+        return bytes(self.span.trace_id).hex()
+
+    @property
+    def span_id(self) -> str:
+        """16 hex digits."""
+        return bytes(self.span.span_id).hex()
+
+    @property
+    def parent_id(self) -> str:
+        """16 hex digits, or "" for a root span."""
+        return bytes(self.span.parent_span_id).hex()
+
+    def attribute(self, key: str) -> Any:
+        """The value of one of the span's attributes."""
+        return attribute(self.span.attributes, key)
+
+
+@dataclass
+class Collector:
+    """An OTLP/HTTP collector (protobuf) on loopback: keeps every span and metric name."""
+
+    url: str = ""
+    spans: list[CollectedSpan] = field(default_factory=list)
+    # service.name -> every metric name that service exported
+    metrics: dict[str, set[str]] = field(default_factory=dict)
+    requests: list[str] = field(default_factory=list)
+
+    @staticmethod
+    async def _body(request: web.Request) -> bytes:
+        body = await request.read()
+        if request.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        return body
+
+    async def traces(self, request: web.Request) -> web.Response:
+        """POST /v1/traces."""
+        self.requests.append(request.path)
+        export = ExportTraceServiceRequest.FromString(await self._body(request))
+        for resource_spans in export.resource_spans:
+            service = str(attribute(resource_spans.resource.attributes, "service.name"))
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    self.spans.append(CollectedSpan(service, span, time.monotonic()))
+        return web.Response(
+            body=ExportTraceServiceResponse().SerializeToString(),
+            content_type="application/x-protobuf",
+        )
+
+    async def metrics_export(self, request: web.Request) -> web.Response:
+        """POST /v1/metrics."""
+        self.requests.append(request.path)
+        export = ExportMetricsServiceRequest.FromString(await self._body(request))
+        for resource_metrics in export.resource_metrics:
+            service = str(attribute(resource_metrics.resource.attributes, "service.name"))
+            names = self.metrics.setdefault(service, set())
+            for scope_metrics in resource_metrics.scope_metrics:
+                names |= {metric.name for metric in scope_metrics.metrics}
+        return web.Response(
+            body=ExportMetricsServiceResponse().SerializeToString(),
+            content_type="application/x-protobuf",
+        )
+
+    def named(self, name: str, service: str | None = None) -> list[CollectedSpan]:
+        """The collected spans called `name` (of `service`)."""
+        return [s for s in self.spans if s.span.name == name and service in (None, s.service)]
+
+
+@contextlib.asynccontextmanager
+async def otlp_collector() -> AsyncIterator[Collector]:
+    """A Collector on a free loopback port."""
+    collector = Collector()
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", collector.traces)
+    app.router.add_post("/v1/metrics", collector.metrics_export)
+    async with serve_app(app, shutdown_timeout=1.0) as url:
+        collector.url = url
+        yield collector

@@ -1,0 +1,804 @@
+"""The receiver's recording files over real HTTP on loopback: POST /api/ingest/recording-file
+(validation, signatures over the digests, idempotency by recordingId, atomic storage, nothing
+kept from a refused or broken upload) and GET/HEAD of the stored file with Range."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import random
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from yarl import URL
+
+from consumer.receiver.recordings import RecordingFiles
+from consumer.signing import (
+    SIGNATURE_HEADER,
+    TIMESTAMP_HEADER,
+    recording_file_message,
+    sign,
+)
+from tests.conftest import Databases, serve_receiver, wait_until
+from tests.helpers_recordings import SECRET, wav_bytes
+
+UPLOAD = "/api/ingest/recording-file"
+FILES = "/storage/recordings"
+# The validating receiver's audio limit: small, so that oversized uploads are cheap to send.
+LIMIT = 256 * 1024
+# A deadline for answers that must come without the rest of the body (never reached when the
+# receiver behaves; a receiver waiting for the body would hang the test until then).
+ANSWER_DEADLINE = 10.0
+
+# (name, value, content type, filename): one multipart part. Text parts are str.
+Part = tuple[str, str | bytes, str, str | None]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def noise(size: int, seed: int = 7) -> bytes:
+    """`size` reproducible pseudo-random bytes: a file where any misplaced byte shows."""
+    return random.Random(seed).randbytes(size)
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One recording upload: its ids and the two files."""
+
+    call_log_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    recording_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    audio: bytes = field(default_factory=wav_bytes)
+    meta: bytes = b'{"callId": "c", "codec": "pcm_s16le", "durationSec": 0.2}'
+
+    def parts(self) -> list[Part]:
+        """The four parts, as the recording-upload consumer sends them."""
+        return [
+            ("callLogId", self.call_log_id, "text/plain", None),
+            ("recordingId", self.recording_id, "text/plain", None),
+            ("audio", self.audio, "application/octet-stream", "mixed.wav"),
+            ("meta", self.meta, "application/json", "meta.json"),
+        ]
+
+    def signed(
+        self, secret: str = SECRET, *, audio: bytes | None = None, now: float | None = None
+    ) -> dict[str, str]:
+        """Signature headers over the ids and the digests (of `audio` if given)."""
+        message = recording_file_message(
+            self.call_log_id,
+            self.recording_id,
+            _sha256(self.audio if audio is None else audio),
+            _sha256(self.meta),
+        )
+        return sign(secret, message, now=now)
+
+    @property
+    def where(self) -> str:
+        """The audio's path in the store, relative to it."""
+        return f"{self.call_log_id}/{self.recording_id}.wav"
+
+
+async def multipart(parts: list[Part]) -> tuple[bytes, str]:
+    """A real multipart/form-data body built by aiohttp, and its Content-Type (with boundary)."""
+    form = aiohttp.FormData(default_to_multipart=True)
+    for name, value, content_type, filename in parts:
+        # Bytes as a file object: what aiohttp expects for a file (large bytes make it warn).
+        data = io.BytesIO(value) if isinstance(value, bytes) else value
+        form.add_field(name, data, content_type=content_type, filename=filename)
+    writer = form()
+    assert isinstance(writer, aiohttp.MultipartWriter)
+    return await writer.as_bytes(), writer.content_type
+
+
+def audio_offset(body: bytes, upload: Upload) -> int:
+    """Where the audio's bytes start in a multipart body."""
+    offset = body.index(upload.audio)
+    assert offset > 0
+    return offset
+
+
+async def held_back(head: bytes, release: asyncio.Event, rest: bytes = b"") -> AsyncIterator[bytes]:
+    """A body sent as `head`, then (only once `release` is set) `rest`: aiohttp sends an async
+    generator chunked, unless a Content-Length header is given."""
+    yield head
+    await release.wait()
+    for start in range(0, len(rest), 64 * 1024):
+        yield rest[start : start + 64 * 1024]
+
+
+async def post(
+    session: aiohttp.ClientSession,
+    url: str,
+    data: Any,
+    *,
+    content_type: str,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """POST an upload; the status and the JSON body (which must be JSON)."""
+    async with session.post(
+        url + UPLOAD, data=data, headers={"Content-Type": content_type, **(headers or {})}
+    ) as response:
+        assert response.content_type == "application/json", await response.text()
+        reply: dict[str, Any] = orjson.loads(await response.read())
+        return response.status, reply
+
+
+async def upload(
+    session: aiohttp.ClientSession,
+    url: str,
+    recording: Upload,
+    *,
+    headers: dict[str, str] | None = None,
+    parts: list[Part] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """POST one recording as a multipart body with a Content-Length."""
+    body, content_type = await multipart(recording.parts() if parts is None else parts)
+    # A BytesIO of known size: sent with a Content-Length.
+    return await post(session, url, io.BytesIO(body), content_type=content_type, headers=headers)
+
+
+def kept(root: Path) -> list[str]:
+    """Everything under the store (files and folders, .incoming's contents too), sorted."""
+    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*"))
+
+
+NOTHING = [".incoming"]
+
+
+def stored(recording: Upload) -> list[str]:
+    """What the store holds after keeping exactly `recording`."""
+    folder = recording.call_log_id
+    return sorted(
+        [
+            ".incoming",
+            folder,
+            f"{folder}/{recording.recording_id}.meta.json",
+            f"{folder}/{recording.recording_id}.wav",
+        ]
+    )
+
+
+def assert_error(
+    got: tuple[int, dict[str, Any]], status: int, code: str, field: str | None = None
+) -> None:
+    """A JSON error answer {"error": {"code", "message", "field"?}} with these values."""
+    got_status, reply = got
+    assert got_status == status, reply
+    assert list(reply) == ["error"], reply
+    error = reply["error"]
+    assert error["code"] == code, reply
+    assert isinstance(error["message"], str) and error["message"], reply
+    if field is None:
+        assert "field" not in error, reply
+    else:
+        assert error["field"] == field, reply
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """A running receiver that keeps recordings: its base URL and its store directory."""
+
+    url: str
+    root: Path
+
+    @property
+    def incoming(self) -> Path:
+        """Where uploads stream to before they are renamed into place."""
+        return self.root / ".incoming"
+
+    def streaming(self) -> int:
+        """How many uploads are being written to .incoming right now."""
+        return len(list(self.incoming.glob("audio-*.part")))
+
+
+@contextlib.asynccontextmanager
+async def receiver(
+    receiver_dsn: str, root: Path, *, secret: str | None, max_bytes: int = 64 * 1024 * 1024
+) -> AsyncIterator[Receiver]:
+    """The reference receiver keeping recordings in `root` (signed when `secret` is given)."""
+    files = RecordingFiles(root, max_bytes=max_bytes)
+    async with serve_receiver(receiver_dsn, recordings=files, shared_secret=secret) as url:
+        yield Receiver(url, root)
+
+
+@pytest.fixture
+async def signed(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[Receiver]:
+    """A receiver that requires signed uploads (SECRET)."""
+    async with receiver(receiver_dsn, tmp_path / "store", secret=SECRET) as running:
+        yield running
+
+
+@pytest.fixture
+async def unsigned(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[Receiver]:
+    """A receiver without a shared secret (ingest-server --insecure)."""
+    async with receiver(receiver_dsn, tmp_path / "store", secret=None) as running:
+        yield running
+
+
+# -- a good upload, and how it is served -----------------------------------------------------
+
+
+async def test_a_signed_upload_is_kept_atomically_and_served_with_range(signed: Receiver) -> None:
+    recording = Upload(audio=wav_bytes(seconds=0.5))
+    size = len(recording.audio)
+    assert size > 1000
+    async with aiohttp.ClientSession() as session:
+        status, reply = await upload(session, signed.url, recording, headers=recording.signed())
+        assert status == 200, reply
+        file_url = f"{signed.url}{FILES}/{recording.where}"
+        assert reply == {
+            "fileUrl": file_url,
+            "callLogId": recording.call_log_id,
+            "recordingId": recording.recording_id,
+            "size": size,
+            "sha256": _sha256(recording.audio),
+            "created": True,
+        }
+        # The store holds exactly the audio and the meta beside it, nothing in .incoming.
+        assert kept(signed.root) == stored(recording)
+        assert (signed.root / recording.where).read_bytes() == recording.audio
+        meta = signed.root / recording.call_log_id / f"{recording.recording_id}.meta.json"
+        assert meta.read_bytes() == recording.meta
+
+        async with session.get(file_url) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"] == "audio/wav"
+            assert response.headers["Accept-Ranges"] == "bytes"
+            assert await response.read() == recording.audio
+        async with session.get(file_url, headers={"Range": "bytes=0-99"}) as response:
+            assert response.status == 206
+            assert response.headers["Content-Range"] == f"bytes 0-99/{size}"
+            assert response.headers["Content-Type"] == "audio/wav"
+            assert await response.read() == recording.audio[:100]
+        async with session.get(file_url, headers={"Range": "bytes=1000-1999"}) as response:
+            assert response.status == 206
+            assert response.headers["Content-Range"] == f"bytes 1000-1999/{size}"
+            assert await response.read() == recording.audio[1000:2000]
+        # A suffix range: the last 100 bytes (how a player reads a trailer).
+        async with session.get(file_url, headers={"Range": "bytes=-100"}) as response:
+            assert response.status == 206
+            assert response.headers["Content-Range"] == f"bytes {size - 100}-{size - 1}/{size}"
+            assert await response.read() == recording.audio[-100:]
+        async with session.get(file_url, headers={"Range": f"bytes={size}-"}) as response:
+            assert response.status == 416
+            assert response.headers["Content-Range"] == f"bytes */{size}"
+        async with session.get(file_url, headers={"Range": "bytes=0-9,20-29"}) as response:
+            assert response.status == 416  # one range per request
+        async with session.head(file_url) as response:
+            assert response.status == 200
+            assert response.headers["Content-Length"] == str(size)
+            assert response.headers["Content-Type"] == "audio/wav"
+            etag = response.headers["ETag"]
+            assert await response.read() == b""
+        async with session.get(file_url, headers={"If-None-Match": etag}) as response:
+            assert response.status == 304
+            assert await response.read() == b""
+
+
+async def test_unknown_and_malformed_paths_are_404_and_never_leave_the_store(
+    signed: Receiver, tmp_path: Path
+) -> None:
+    recording = Upload()
+    secret_bytes = b"RIFF-outside-the-store-" + noise(64)
+    # Files a traversal would reach: beside the store, and in the store's own root.
+    (tmp_path / "secret.wav").write_bytes(secret_bytes)
+    (tmp_path / "secret.meta.json").write_bytes(secret_bytes)
+    async with aiohttp.ClientSession() as session:
+        status, _ = await upload(session, signed.url, recording, headers=recording.signed())
+        assert status == 200
+        (signed.root / "secret.wav").write_bytes(secret_bytes)
+        call, rec, other = recording.call_log_id, recording.recording_id, str(uuid.uuid4())
+        paths = [
+            f"{FILES}/{other}/{uuid.uuid4()}.wav",  # nothing like it
+            f"{FILES}/{call}/{other}.wav",  # a known call, an unknown recording
+            f"{FILES}/{other}/{rec}.wav",  # a known recording under another call
+            f"{FILES}/{call}/{rec}.meta.json",  # the meta is not served
+            f"{FILES}/not-a-uuid/{rec}.wav",
+            f"{FILES}/{call}/not-a-uuid.wav",
+            f"{FILES}/../../secret.wav",
+            f"{FILES}/../secret.wav",
+            f"{FILES}/{call}/../secret.wav",
+            f"{FILES}/{call}/..%2Fsecret.wav",
+            f"{FILES}/%2E%2E/secret.wav",
+            f"{FILES}/..%2F..%2F/secret.wav",
+            f"{FILES}/{call}/..%2F..%2Fsecret.wav",
+            f"{FILES}/{call}/%2E%2E%2F%2E%2E%2Fsecret.wav",
+        ]
+        for path in paths:
+            # encoded=True: the path goes out as written, "..", "%2F" and all.
+            for method in ("GET", "HEAD"):
+                target = URL(signed.url + path, encoded=True)
+                async with session.request(method, target) as response:
+                    body = await response.read()
+                    assert response.status == 404, (method, path, response.status)
+                    assert response.content_type == "application/json", (method, path)
+                    if method == "GET":
+                        assert orjson.loads(body)["error"]["code"] in {
+                            "RECORDING_NOT_FOUND",
+                            "HTTP_404",
+                        }, (path, body)
+                    assert secret_bytes not in body
+        # The recording itself is still served.
+        async with session.get(f"{signed.url}{FILES}/{recording.where}") as response:
+            assert (response.status, await response.read()) == (200, recording.audio)
+        # And an unknown recording answers the receiver's own JSON 404.
+        async with session.get(f"{signed.url}{FILES}/{call}/{other}.wav") as response:
+            reply = orjson.loads(await response.read())
+            assert (response.status, reply["error"]["code"]) == (404, "RECORDING_NOT_FOUND")
+
+
+# -- idempotency by recordingId --------------------------------------------------------------
+
+
+async def test_the_same_upload_twice_is_one_file_and_the_same_file_url(signed: Receiver) -> None:
+    recording = Upload()
+    async with aiohttp.ClientSession() as session:
+        first = await upload(session, signed.url, recording, headers=recording.signed())
+        second = await upload(session, signed.url, recording, headers=recording.signed())
+    assert first[0] == second[0] == 200, (first, second)
+    assert first[1]["created"] is True
+    assert second[1] == {**first[1], "created": False}
+    assert kept(signed.root) == stored(recording)
+    assert (signed.root / recording.where).read_bytes() == recording.audio
+
+
+async def test_two_concurrent_uploads_of_one_recording_leave_one_correct_file(
+    signed: Receiver,
+) -> None:
+    recording = Upload(audio=noise(3 * 1024 * 1024))
+    body, content_type = await multipart(recording.parts())
+    split = audio_offset(body, recording) + len(recording.audio) // 2
+    release = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        # Both uploads send half of the audio, and only go on once the receiver is writing
+        # both at the same time.
+        both = [
+            asyncio.create_task(
+                post(
+                    session,
+                    signed.url,
+                    held_back(body[:split], release, body[split:]),
+                    content_type=content_type,
+                    headers=recording.signed(),
+                )
+            )
+            for _ in range(2)
+        ]
+        try:
+            await wait_until(lambda: signed.streaming() == 2, what="two uploads in flight")
+        finally:
+            release.set()
+        answers = await asyncio.gather(*both)
+        for status, reply in answers:
+            assert status == 200, reply
+            assert reply["fileUrl"] == f"{signed.url}{FILES}/{recording.where}"
+            assert (reply["size"], reply["sha256"]) == (
+                len(recording.audio),
+                _sha256(recording.audio),
+            )
+        assert True in {reply["created"] for _, reply in answers}
+        assert kept(signed.root) == stored(recording)
+        assert (signed.root / recording.where).read_bytes() == recording.audio
+        async with session.get(answers[0][1]["fileUrl"]) as response:
+            assert (response.status, await response.read()) == (200, recording.audio)
+
+
+# -- validation: a JSON error naming what is wrong, and nothing kept -------------------------
+
+
+@pytest.fixture(scope="module")
+def shared_receiver_dsn(databases: Databases) -> str:
+    """A receiver database for the module (made outside the event loop, like receiver_dsn)."""
+    return databases.create("receiver")
+
+
+@pytest.fixture(scope="module")
+async def shared_receiver(
+    shared_receiver_dsn: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Receiver]:
+    """One unsigned receiver with a small audio limit, for the many uploads it must refuse."""
+    root = tmp_path_factory.mktemp("validating") / "store"
+    async with receiver(shared_receiver_dsn, root, secret=None, max_bytes=LIMIT) as running:
+        yield running
+
+
+@pytest.fixture
+async def validating(shared_receiver: Receiver) -> AsyncIterator[Receiver]:
+    """The shared receiver, its store emptied after each test so that one failure stays one."""
+    yield shared_receiver
+    for path in shared_receiver.root.iterdir():
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    shared_receiver.incoming.mkdir()
+
+
+def _without(name: str) -> Callable[[Upload], list[Part]]:
+    return lambda up: [part for part in up.parts() if part[0] != name]
+
+
+def _with(
+    name: str, value: str | bytes, content_type: str | None = None
+) -> Callable[[Upload], list[Part]]:
+    def parts(up: Upload) -> list[Part]:
+        return [
+            (n, value, content_type or t, f) if n == name else (n, v, t, f)
+            for n, v, t, f in up.parts()
+        ]
+
+    return parts
+
+
+def _twice(name: str) -> Callable[[Upload], list[Part]]:
+    def parts(up: Upload) -> list[Part]:
+        every = up.parts()
+        return every + [part for part in every if part[0] == name]
+
+    return parts
+
+
+def _extra(up: Upload) -> list[Part]:
+    return [*up.parts(), ("comment", "hello", "text/plain", None)]
+
+
+def _extra_file(up: Upload) -> list[Part]:
+    return [*up.parts(), ("mixed.wav", up.audio, "application/octet-stream", "mixed.wav")]
+
+
+BAD_PARTS = [
+    pytest.param(_without("callLogId"), 422, "INGEST_VALIDATION_ERROR", "callLogId", id="no-call"),
+    pytest.param(
+        _without("recordingId"), 422, "INGEST_VALIDATION_ERROR", "recordingId", id="no-rec"
+    ),
+    pytest.param(_without("audio"), 422, "INGEST_VALIDATION_ERROR", "audio", id="no-audio"),
+    pytest.param(_without("meta"), 422, "INGEST_VALIDATION_ERROR", "meta", id="no-meta"),
+    pytest.param(
+        _with("callLogId", "not-a-uuid"), 422, "INGEST_VALIDATION_ERROR", "callLogId", id="call-x"
+    ),
+    pytest.param(_with("callLogId", ""), 422, "INGEST_VALIDATION_ERROR", "callLogId", id="call-0"),
+    pytest.param(
+        _with("recordingId", "12345"), 422, "INGEST_VALIDATION_ERROR", "recordingId", id="rec-x"
+    ),
+    pytest.param(
+        _with("recordingId", "../../etc/passwd"),
+        422,
+        "INGEST_VALIDATION_ERROR",
+        "recordingId",
+        id="rec-traversal",
+    ),
+    pytest.param(
+        _with("audio", b"hello", "text/plain"),
+        415,
+        "INGEST_UNSUPPORTED_MEDIA_TYPE",
+        "audio",
+        id="audio-text",
+    ),
+    pytest.param(_with("meta", b"{not json"), 422, "INGEST_VALIDATION_ERROR", "meta", id="meta-x"),
+    pytest.param(_with("meta", b""), 422, "INGEST_VALIDATION_ERROR", "meta", id="meta-empty"),
+    pytest.param(_extra, 422, "INGEST_VALIDATION_ERROR", "comment", id="extra-text"),
+    pytest.param(_extra_file, 422, "INGEST_VALIDATION_ERROR", "mixed.wav", id="extra-file"),
+    pytest.param(_twice("callLogId"), 422, "INGEST_VALIDATION_ERROR", "callLogId", id="call-2x"),
+    pytest.param(_twice("audio"), 422, "INGEST_VALIDATION_ERROR", "audio", id="audio-2x"),
+    pytest.param(_twice("meta"), 422, "INGEST_VALIDATION_ERROR", "meta", id="meta-2x"),
+]
+
+
+@pytest.mark.parametrize(("parts", "status", "code", "field"), BAD_PARTS)
+async def test_a_bad_part_is_refused_naming_it_and_nothing_is_kept(
+    validating: Receiver,
+    parts: Callable[[Upload], list[Part]],
+    status: int,
+    code: str,
+    field: str,
+) -> None:
+    recording = Upload()
+    async with aiohttp.ClientSession() as session:
+        got = await upload(session, validating.url, recording, parts=parts(recording))
+    assert_error(got, status, code, field)
+    assert kept(validating.root) == NOTHING
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "status", "code"),
+    [
+        pytest.param(
+            b'{"callLogId": "x"}',
+            "application/json",
+            415,
+            "INGEST_UNSUPPORTED_MEDIA_TYPE",
+            id="json",
+        ),
+        pytest.param(b"RIFF....", "audio/wav", 415, "INGEST_UNSUPPORTED_MEDIA_TYPE", id="wav"),
+        pytest.param(
+            b"callLogId=x&recordingId=y",
+            "application/x-www-form-urlencoded",
+            415,
+            "INGEST_UNSUPPORTED_MEDIA_TYPE",
+            id="form",
+        ),
+        pytest.param(
+            b"this is not multipart at all",
+            "multipart/form-data; boundary=abcdef",
+            400,
+            "INGEST_BAD_MULTIPART",
+            id="garbage",
+        ),
+        pytest.param(
+            b"", "multipart/form-data; boundary=abcdef", 400, "INGEST_BAD_MULTIPART", id="empty"
+        ),
+        pytest.param(
+            b"--abcdef\r\n", "multipart/form-data", 400, "INGEST_BAD_MULTIPART", id="no-boundary"
+        ),
+        pytest.param(
+            b"--abcdef\r\nContent-Type: text/plain\r\n\r\nhello\r\n--abcdef--\r\n",
+            "multipart/form-data; boundary=abcdef",
+            400,
+            "INGEST_BAD_MULTIPART",
+            id="part-without-name",
+        ),
+    ],
+)
+async def test_a_body_that_is_not_a_multipart_upload_gets_a_json_error(
+    validating: Receiver, body: bytes, content_type: str, status: int, code: str
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        got = await post(session, validating.url, body, content_type=content_type)
+    assert_error(got, status, code)
+    assert kept(validating.root) == NOTHING
+
+
+def _after(needle: Callable[[Upload], bytes], extra: int = 0) -> Callable[[bytes, Upload], int]:
+    """A cut `extra` bytes after the end of `needle` in the body."""
+    return lambda body, up: body.index(needle(up)) + len(needle(up)) + extra
+
+
+@pytest.mark.parametrize(
+    ("cut", "field"),
+    [
+        # The whole of a good callLogId, but the body ends before its boundary.
+        pytest.param(_after(lambda up: up.call_log_id.encode()), "callLogId", id="after-call-id"),
+        pytest.param(_after(lambda up: up.audio[:100], 50_000), "audio", id="mid-audio"),
+        pytest.param(_after(lambda up: up.meta[:10]), "meta", id="mid-meta"),
+        # The last part's data complete, but not the boundary that ends it.
+        pytest.param(_after(lambda up: up.meta, 2), "meta", id="before-last-boundary"),
+        # Every part complete, the closing boundary without its final "--".
+        pytest.param(lambda body, up: len(body) - 4, None, id="unclosed"),
+    ],
+)
+async def test_a_truncated_upload_is_400_and_nothing_is_kept(
+    validating: Receiver, cut: Callable[[bytes, Upload], int], field: str | None
+) -> None:
+    recording = Upload(audio=noise(100_000))
+    body, content_type = await multipart(recording.parts())
+    truncated = body[: cut(body, recording)]
+    assert len(truncated) < len(body)
+    async with aiohttp.ClientSession() as session:
+        got = await post(session, validating.url, truncated, content_type=content_type)
+    assert_error(got, 400, "INGEST_BAD_MULTIPART", field)
+    assert kept(validating.root) == NOTHING
+
+
+async def test_audio_up_to_the_limit_is_kept_and_one_byte_more_is_413(
+    validating: Receiver,
+) -> None:
+    at_limit = Upload(audio=noise(LIMIT, seed=1))
+    over = Upload(audio=noise(LIMIT + 1, seed=2))
+    async with aiohttp.ClientSession() as session:
+        status, reply = await upload(session, validating.url, at_limit)
+        assert (status, reply["size"]) == (200, LIMIT), reply
+        # Content-Length (a little over LIMIT) does not tell: the audio is cut off as it streams.
+        got = await upload(session, validating.url, over)
+    assert_error(got, 413, "INGEST_TOO_LARGE", "audio")
+    assert kept(validating.root) == stored(at_limit)
+    assert (validating.root / at_limit.where).read_bytes() == at_limit.audio
+
+
+async def test_a_declared_oversized_upload_is_413_before_the_body_is_read(
+    validating: Receiver,
+) -> None:
+    recording = Upload(audio=noise(LIMIT + 2 * 1024 * 1024))
+    body, content_type = await multipart(recording.parts())
+    never = asyncio.Event()  # the rest of the body never comes
+    async with aiohttp.ClientSession() as session, asyncio.timeout(ANSWER_DEADLINE):
+        got = await post(
+            session,
+            validating.url,
+            held_back(body[:1024], never),
+            content_type=content_type,
+            headers={"Content-Length": str(len(body))},
+        )
+    assert_error(got, 413, "INGEST_TOO_LARGE")
+    assert kept(validating.root) == NOTHING
+
+
+async def test_a_chunked_upload_over_the_limit_is_cut_off_while_streaming(
+    validating: Receiver,
+) -> None:
+    recording = Upload(audio=noise(4 * LIMIT))
+    body, content_type = await multipart(recording.parts())
+    never = asyncio.Event()
+    # No Content-Length: the receiver only learns the size by counting. The body stops (without
+    # ending) well past the limit, so the answer must come from counting, not from the end.
+    # (The receiver reads a chunk ahead to find the boundary, hence a margin of a chunk or so.)
+    past_limit = audio_offset(body, recording) + 3 * LIMIT
+    async with aiohttp.ClientSession() as session, asyncio.timeout(ANSWER_DEADLINE):
+        got = await post(
+            session,
+            validating.url,
+            held_back(body[:past_limit], never),
+            content_type=content_type,
+        )
+    assert_error(got, 413, "INGEST_TOO_LARGE", "audio")
+    assert kept(validating.root) == NOTHING
+
+
+async def test_a_chunked_upload_within_the_limit_is_kept(validating: Receiver) -> None:
+    recording = Upload(audio=noise(LIMIT - 10))
+    body, content_type = await multipart(recording.parts())
+    go = asyncio.Event()
+    go.set()
+    async with aiohttp.ClientSession() as session:
+        status, reply = await post(
+            session,
+            validating.url,
+            held_back(body[:100], go, body[100:]),
+            content_type=content_type,
+        )
+    assert (status, reply["created"], reply["sha256"]) == (200, True, _sha256(recording.audio))
+    assert (validating.root / recording.where).read_bytes() == recording.audio
+
+
+# -- signatures ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param(lambda up: {}, id="unsigned"),
+        pytest.param(
+            lambda up: {TIMESTAMP_HEADER: str(int(time.time()))}, id="no-signature-header"
+        ),
+        pytest.param(lambda up: up.signed(now=time.time() - 1000), id="stale"),
+        pytest.param(lambda up: up.signed(now=time.time() + 1000), id="from-the-future"),
+        pytest.param(
+            lambda up: {**up.signed(), TIMESTAMP_HEADER: "yesterday"}, id="timestamp-garbage"
+        ),
+    ],
+)
+async def test_an_unsigned_or_stale_upload_is_401_before_the_body_is_read(
+    signed: Receiver, headers: Callable[[Upload], dict[str, str]]
+) -> None:
+    recording = Upload(audio=noise(1024 * 1024))
+    body, content_type = await multipart(recording.parts())
+    never = asyncio.Event()  # the receiver must answer from the headers alone
+    async with aiohttp.ClientSession() as session, asyncio.timeout(ANSWER_DEADLINE):
+        got = await post(
+            session,
+            signed.url,
+            held_back(body[: audio_offset(body, recording) + 1000], never),
+            content_type=content_type,
+            headers=headers(recording),
+        )
+    assert_error(got, 401, "INGEST_UNAUTHORIZED")
+    assert kept(signed.root) == NOTHING
+    assert signed.streaming() == 0
+
+
+def _other_audio(up: Upload) -> tuple[Upload, dict[str, str]]:
+    # Signed for one file, sent with another of the same size.
+    return replace(up, audio=noise(len(up.audio), seed=99)), up.signed()
+
+
+def _other_meta(up: Upload) -> tuple[Upload, dict[str, str]]:
+    return replace(up, meta=b'{"callId": "someone else"}'), up.signed()
+
+
+def _other_recording(up: Upload) -> tuple[Upload, dict[str, str]]:
+    return replace(up, recording_id=str(uuid.uuid4())), up.signed()
+
+
+def _other_call(up: Upload) -> tuple[Upload, dict[str, str]]:
+    return replace(up, call_log_id=str(uuid.uuid4())), up.signed()
+
+
+def _wrong_secret(up: Upload) -> tuple[Upload, dict[str, str]]:
+    return up, up.signed("another-secret-entirely-0123456789")
+
+
+def _mangled(up: Upload) -> tuple[Upload, dict[str, str]]:
+    headers = up.signed()
+    return up, {**headers, SIGNATURE_HEADER: headers[SIGNATURE_HEADER][:-4] + "0000"}
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        pytest.param(_other_audio, id="other-audio"),
+        pytest.param(_other_meta, id="other-meta"),
+        pytest.param(_other_recording, id="other-recording-id"),
+        pytest.param(_other_call, id="other-call-log-id"),
+        pytest.param(_wrong_secret, id="wrong-secret"),
+        pytest.param(_mangled, id="mangled-signature"),
+    ],
+)
+async def test_a_signature_over_something_else_is_401_and_nothing_is_kept(
+    signed: Receiver, tamper: Callable[[Upload], tuple[Upload, dict[str, str]]]
+) -> None:
+    sent, headers = tamper(Upload(audio=noise(200_000)))
+    async with aiohttp.ClientSession() as session:
+        got = await upload(session, signed.url, sent, headers=headers)
+    assert_error(got, 401, "INGEST_UNAUTHORIZED")
+    assert kept(signed.root) == NOTHING
+
+
+async def test_ids_are_signed_as_sent_and_kept_in_canonical_form(signed: Receiver) -> None:
+    canonical = Upload()
+    sent = replace(
+        canonical,
+        call_log_id=canonical.call_log_id.upper(),
+        recording_id=canonical.recording_id.upper(),
+    )
+    async with aiohttp.ClientSession() as session:
+        status, reply = await upload(session, signed.url, sent, headers=sent.signed())
+    assert status == 200, reply
+    assert (reply["callLogId"], reply["recordingId"]) == (
+        canonical.call_log_id,
+        canonical.recording_id,
+    )
+    assert reply["fileUrl"] == f"{signed.url}{FILES}/{canonical.where}"
+    assert kept(signed.root) == stored(canonical)
+
+
+async def test_without_a_secret_unsigned_uploads_are_kept(unsigned: Receiver) -> None:
+    recording = Upload()
+    async with aiohttp.ClientSession() as session:
+        status, reply = await upload(session, unsigned.url, recording)
+        assert (status, reply["created"]) == (200, True), reply
+        async with session.get(reply["fileUrl"]) as response:
+            assert (response.status, await response.read()) == (200, recording.audio)
+    assert kept(unsigned.root) == stored(recording)
+
+
+# -- a client that goes away -----------------------------------------------------------------
+
+
+async def test_a_client_that_disconnects_mid_upload_leaves_nothing(signed: Receiver) -> None:
+    recording = Upload(audio=noise(2 * 1024 * 1024))
+    body, content_type = await multipart(recording.parts())
+    half = audio_offset(body, recording) + len(recording.audio) // 2
+    url = URL(signed.url)
+    assert url.host is not None and url.port is not None
+    head = [
+        f"POST {UPLOAD} HTTP/1.1",
+        f"Host: {url.host}:{url.port}",
+        f"Content-Type: {content_type}",
+        f"Content-Length: {len(body)}",
+        *(f"{name}: {value}" for name, value in recording.signed().items()),
+    ]
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body[:half])
+        await writer.drain()
+        await wait_until(lambda: signed.streaming() == 1, what="the upload streaming to disk")
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    await wait_until(lambda: kept(signed.root) == NOTHING, what="nothing left of the upload")
+    assert await reader.read() == b""  # the receiver never answered a half upload
+    # The receiver is fine, and the same recording can be uploaded in full.
+    async with aiohttp.ClientSession() as session:
+        status, reply = await upload(session, signed.url, recording, headers=recording.signed())
+    assert (status, reply["created"]) == (200, True), reply
+    assert kept(signed.root) == stored(recording)
