@@ -27,8 +27,8 @@ SELECT
     max(b.seq) AS max_seq,
     min(b.created_at) AS oldest_created_at,
     -- The wire format, built by concatenation: several times cheaper than json_agg over
-    -- json_build_object, and exact: identifiers and ids go through to_json, the payload is
-    -- jsonb's own output, op is constrained to two safe words.
+    -- json_build_object, and exact: identifiers and ids go through to_json, the payload is the
+    -- json text the relay stored (sql/backend/0004), op is constrained to two safe words.
     convert_to('[' || coalesce(string_agg(
         '{"entityType":' || to_json(b.entity_type)::text
         || ',"entityId":' || to_json(b.entity_id)::text

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hashlib
 import io
+import os
 import random
 import shutil
 import time
@@ -802,3 +803,15 @@ async def test_a_client_that_disconnects_mid_upload_leaves_nothing(signed: Recei
         status, reply = await upload(session, signed.url, recording, headers=recording.signed())
     assert (status, reply["created"]) == (200, True), reply
     assert kept(signed.root) == stored(recording)
+
+
+def test_start_removes_only_old_leftovers_of_cut_off_uploads(tmp_path: Path) -> None:
+    files = RecordingFiles(tmp_path, max_bytes=1024)
+    files.prepare()
+    old, young = files.incoming / "audio-old.part", files.incoming / "audio-young.part"
+    old.write_bytes(b"cut off by a crash")
+    young.write_bytes(b"another receiver is writing this")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    files.prepare()
+    assert sorted(p.name for p in files.incoming.iterdir()) == ["audio-young.part"]

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ FILES_PREFIX = "/storage/recordings"
 MAX_ID_BYTES = 64
 MAX_META_BYTES = 1024 * 1024
 CHUNK_BYTES = 256 * 1024
+# A temp file in .incoming this old belongs to no upload in progress.
+STALE_PART_SEC = 3600
 AUDIO_TYPES = frozenset({"application/octet-stream", "audio/wav", "audio/x-wav", "audio/wave"})
 PARTS = ("callLogId", "recordingId", "audio", "meta")
 
@@ -79,8 +82,16 @@ class RecordingFiles:
         self.incoming = root / ".incoming"
 
     def prepare(self) -> None:
-        """Create the directories (blocking; at start)."""
+        """Create the directories, and remove what uploads cut off by a crash left in
+        .incoming (blocking; at start). Only old leftovers: another receiver sharing the store
+        may be writing the young ones right now."""
         self.incoming.mkdir(parents=True, exist_ok=True)
+        cutoff = time.time() - STALE_PART_SEC
+        for leftover in self.incoming.glob("*.part"):
+            with contextlib.suppress(FileNotFoundError):
+                if leftover.stat().st_mtime < cutoff:
+                    leftover.unlink()
+                    log.info("removed %s, left by an upload cut off by a crash", leftover)
 
     def audio_path(self, call_log_id: str, recording_id: str) -> Path:
         """Where a recording's audio is kept."""
