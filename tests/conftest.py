@@ -10,13 +10,14 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from psycopg import sql
 
 from consumer import migrations
@@ -171,9 +172,11 @@ async def serve_receiver(
     *,
     recordings: RecordingFiles | None = None,
     shared_secret: str | None = None,
+    middlewares: Sequence[Middleware] = (),
+    shutdown_timeout: float = 60.0,
 ) -> AsyncIterator[str]:
     """The reference receiver on a free loopback port; yields its base URL. With `recordings`
-    it also takes recording uploads (and serves them)."""
+    it also takes recording uploads (and serves them); `middlewares` go in front of its own."""
     if recordings is not None:
         recordings.prepare()
     async with open_pool(receiver_dsn, "test-ingest", max_size=4) as pool:
@@ -183,7 +186,8 @@ async def serve_receiver(
             shared_secret=shared_secret,
             recordings=recordings,
         )
-        async with serve_app(app) as url:
+        app.middlewares[:0] = middlewares
+        async with serve_app(app, shutdown_timeout=shutdown_timeout) as url:
             yield url
 
 

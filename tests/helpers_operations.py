@@ -1,4 +1,4 @@
-"""Helpers for the operations tests: `serversync` subprocesses with their output in a file, a
+"""Helpers for the operations tests: the environment of their `serversync` subprocesses, a
 Prometheus scraper, a receiver scripted by payload, and an OTLP/HTTP collector (real aiohttp
 servers on loopback)."""
 
@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import os
-import re
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import psycopg
 from aiohttp import web
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -34,176 +27,20 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tests.conftest import ROOT, serve_app, wait_until
-from tests.helpers_processes import CONSUMER, FAST_ENV, INGEST_PATH
+from tests.conftest import serve_app, wait_until
+from tests.helpers_processes import FAST_ENV, INGEST_PATH
 
-OPS_URL = re.compile(r"health, readiness and metrics on (http://127\.0\.0\.1:\d+)")
 # Labels the OpenTelemetry Prometheus exporter adds to every serversync series.
 SCOPE_LABELS = frozenset({"otel_scope_name", "otel_scope_version", "otel_scope_schema_url"})
 
 # -- serversync processes ------------------------------------------------------------------------
 
-
-class ServersyncProcess:
-    """`python -m consumer ARGS...` with stdout and stderr in one file (nothing else writes
-    to stdout for `run` and `ingest-server`)."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log_file = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "consumer", *args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-
-    @property
-    def pid(self) -> int:
-        """The process id."""
-        return self.proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """None while running."""
-        return self.proc.poll()
-
-    def log(self) -> str:
-        """Everything the process wrote so far."""
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        """SIGTERM: a graceful stop."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    async def wait_exit(self, timeout: float = 10.0) -> int:
-        """Wait for the process to end; its return code."""
-        await wait_until(
-            lambda: self.proc.poll() is not None,
-            timeout=timeout,
-            what=f"{self.name} (pid {self.pid}) to exit",
-        )
-        code = self.proc.poll()
-        assert code is not None
-        return code
-
-    async def wait_log(self, pattern: str | re.Pattern[str], timeout: float = 10.0) -> str:
-        """Wait until the output holds `pattern` (a substring or a regex); the first match.
-        Fails at once if the process died first."""
-
-        def find() -> str | None:
-            text = self.log()
-            if isinstance(pattern, str):
-                return pattern if pattern in text else None
-            match = pattern.search(text)
-            return match.group(0) if match else None
-
-        found: list[str] = []
-
-        def logged() -> bool:
-            if (hit := find()) is not None:
-                found.append(hit)
-                return True
-            assert self.proc.poll() is None, (
-                f"{self.name} exited with {self.proc.returncode} before logging {pattern!r}:\n"
-                + self.log()
-            )
-            return False
-
-        await wait_until(logged, timeout=timeout, what=f"{self.name} to log {pattern!r}")
-        return found[0]
-
-    async def ops_url(self, timeout: float = 15.0) -> str:
-        """The base URL of a consumer's /healthz, /readyz and /metrics (SYNC_HTTP_PORT=0: read
-        from the line the process logs at start)."""
-        line = await self.wait_log(OPS_URL, timeout)
-        match = OPS_URL.search(line)
-        assert match is not None
-        return match.group(1)
-
-    def close(self) -> None:
-        """Kill the process if it still runs, reap it, close the log."""
-        self.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self._log_file.close()
-
-
-def process_env(**variables: str) -> dict[str, str]:
-    """This process's environment without any serversync, PostgreSQL or OpenTelemetry setting,
-    plus FAST_ENV, INFO logs, gauges refreshed every 0.2 s, and `variables`."""
-    base = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith(("SYNC_", "DATABASE_URL", "FRONTEND_", "INGEST_", "PG", "OTEL_"))
-    }
-    return {
-        **base,
-        **FAST_ENV,
-        "SYNC_LOG_LEVEL": "INFO",
-        "SYNC_METRICS_INTERVAL_SEC": "0.2",
-        **variables,
-    }
-
-
-class Processes:
-    """Starts serversync processes for one test, and kills leftovers at the end."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.processes: list[ServersyncProcess] = []
-
-    def start(self, name: str, args: list[str], **env: str) -> ServersyncProcess:
-        """`serversync ARGS...` with process_env(**env)."""
-        process = ServersyncProcess(name, args, process_env(**env), self.log_dir / f"{name}.log")
-        self.processes.append(process)
-        return process
-
-    def consumer(
-        self,
-        database_url: str,
-        frontend_url: str,
-        name: str = "consumer",
-        *,
-        log_format: str | None = "text",
-        **env: str,
-    ) -> ServersyncProcess:
-        """`serversync [--log-format FORMAT] run frontend-sync` (None: the default format)."""
-        args = ["--log-format", log_format] if log_format else []
-        return self.start(
-            name,
-            [*args, "run", CONSUMER],
-            DATABASE_URL=database_url,
-            FRONTEND_BASE_URL=frontend_url,
-            **env,
-        )
-
-    def close(self) -> None:
-        """Kill every process still running and print every log (shown when a test fails)."""
-        for process in self.processes:
-            process.close()
-        for process in self.processes:
-            print(f"===== {process.name} (pid {process.pid}, exit {process.returncode}) =====")
-            print(process.log())
-
-
-@contextlib.contextmanager
-def processes(log_dir: Path) -> Iterator[Processes]:
-    """A Processes that cleans up after itself."""
-    launched = Processes(log_dir)
-    try:
-        yield launched
-    finally:
-        launched.close()
+# What the operations tests run with: FAST_ENV timers, INFO logs, gauges refreshed every 0.2 s.
+OPS_ENV: dict[str, str] = {
+    **FAST_ENV,
+    "SYNC_LOG_LEVEL": "INFO",
+    "SYNC_METRICS_INTERVAL_SEC": "0.2",
+}
 
 
 def json_lines(text: str) -> list[dict[str, Any]]:
@@ -372,17 +209,6 @@ async def outcome_receiver() -> AsyncIterator[OutcomeReceiver]:
     async with serve_app(app, shutdown_timeout=1.0) as url:
         receiver.url = url
         yield receiver
-
-
-async def insert_callers(dsn: str, callers: list[str]) -> None:
-    """One call log per caller number, all in one transaction (one batch for the consumer)."""
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    async with conn:
-        await conn.execute(
-            "INSERT INTO call_logs (caller_number, callee_number) "
-            "SELECT c, 'x' FROM unnest(%s::text[]) WITH ORDINALITY AS u(c, n) ORDER BY n",
-            (callers,),
-        )
 
 
 # -- an OTLP/HTTP collector ----------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Helpers for process-level fault tests: a scripted fault receiver (a real aiohttp server on
-loopback) and consumer processes run as real subprocesses (`python -m consumer run ...`)."""
+"""Helpers for process-level tests: a scripted fault receiver (a real aiohttp server on
+loopback) and serversync processes run as real subprocesses (`python -m consumer ...`), with
+their output in a file."""
 
 from __future__ import annotations
 
@@ -7,22 +8,23 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import orjson
 import psycopg
 from aiohttp import web
 
-from tests.conftest import fetch_all, serve_app, wait_until
+from tests.conftest import ROOT, fetch_all, serve_app, wait_until
 
 CONSUMER = "frontend-sync"
 INGEST_PATH = "/api/ingest/sync"
@@ -170,7 +172,22 @@ async def serve_fault_receiver() -> AsyncIterator[FaultReceiver]:
             receiver.release()
 
 
-# -- consumer processes ------------------------------------------------------------------------
+# -- serversync processes ------------------------------------------------------------------------
+
+# The line every `run` logs at start (SYNC_HTTP_PORT=0: the port is only known from it).
+OPS_URL = re.compile(r"health, readiness and metrics on (http://127\.0\.0\.1:\d+)")
+# Variables a test process never inherits from the environment pytest runs in: each test sets
+# its own.
+OWN_PREFIXES = (
+    "SYNC_",
+    "DATABASE_URL",
+    "FRONTEND_",
+    "INGEST_",
+    "RECORDINGS_",
+    "SERVERSYNC_",
+    "PG",
+    "OTEL_",
+)
 
 
 def lock_application_name(pid: int) -> str:
@@ -183,26 +200,33 @@ def pool_application_name(pid: int) -> str:
     return f"serversync:run:{CONSUMER}:{socket.gethostname()}:{pid}"[:63]
 
 
-class ConsumerProcess:
-    """`python -m consumer --log-format text run frontend-sync` with its stderr in a file."""
+def process_env(**variables: str) -> dict[str, str]:
+    """This process's environment without any serversync, PostgreSQL or OpenTelemetry setting,
+    plus `variables`."""
+    base = {key: value for key, value in os.environ.items() if not key.startswith(OWN_PREFIXES)}
+    return {**base, **variables}
 
-    def __init__(self, name: str, log_path: Path, env: dict[str, str]) -> None:
+
+class ServersyncProcess:
+    """`python -m consumer ARGS...` with stdout and stderr in one file (nothing else writes
+    to stdout for `run` and `ingest-server`)."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.name = name
         self.log_path = log_path
         self._log_file = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "consumer", "--log-format", "text", "run", CONSUMER],
+            [sys.executable, "-m", "consumer", *args],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=ROOT,
         )
-        self.started = time.monotonic()
 
     @property
     def pid(self) -> int:
-        """The process id (what the consumer writes to sync.consumer_offsets.leader_pid)."""
+        """The process id (what a consumer writes to sync.consumer_offsets.leader_pid)."""
         return self.proc.pid
 
     @property
@@ -211,7 +235,7 @@ class ConsumerProcess:
         return self.proc.poll()
 
     def log(self) -> str:
-        """Everything the process logged so far."""
+        """Everything the process wrote so far."""
         return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:
@@ -221,9 +245,24 @@ class ConsumerProcess:
 
     def terminate(self) -> None:
         """SIGTERM: a graceful stop."""
-        self.proc.send_signal(signal.SIGTERM)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
 
-    async def wait_exit(self, timeout: float) -> int:
+    def assert_alive(self) -> None:
+        """Fail with the log if the process ended."""
+        assert self.proc.poll() is None, (
+            f"{self.name} exited with {self.proc.returncode}:\n{self.log()}"
+        )
+
+    def memory_kib(self, key: str) -> int:
+        """A line of /proc/<pid>/status in KiB (VmRSS: now; VmHWM: the peak so far)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == key:
+                return int(value.split()[0])
+        raise AssertionError(f"no {key} in /proc/{self.pid}/status")
+
+    async def wait_exit(self, timeout: float = 10.0) -> int:
         """Wait for the process to end; its return code."""
         await wait_until(
             lambda: self.proc.poll() is not None,
@@ -234,19 +273,47 @@ class ConsumerProcess:
         assert code is not None
         return code
 
-    async def wait_log(self, text: str, timeout: float = 10.0) -> None:
-        """Wait until the log holds `text`; fail early if the process died."""
+    async def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM and wait for the exit; the return code."""
+        self.terminate()
+        return await self.wait_exit(timeout)
+
+    async def wait_log(self, pattern: str | re.Pattern[str], timeout: float = 10.0) -> str:
+        """Wait until the output holds `pattern` (a substring or a regex); the first match.
+        Fails at once if the process ended without logging it."""
+
+        def find() -> str | None:
+            text = self.log()
+            if isinstance(pattern, str):
+                return pattern if pattern in text else None
+            match = pattern.search(text)
+            return match.group(0) if match else None
+
+        found: list[str] = []
 
         def logged() -> bool:
-            if text in self.log():
+            # Whether it ended is asked before the log is read: what an ended process logged
+            # is all in the file by then.
+            ended = self.proc.poll() is not None
+            if (hit := find()) is not None:
+                found.append(hit)
                 return True
-            assert self.proc.poll() is None or text in self.log(), (
-                f"{self.name} exited with {self.proc.returncode} before logging {text!r}:\n"
+            assert not ended, (
+                f"{self.name} exited with {self.proc.returncode} before logging {pattern!r}:\n"
                 + self.log()
             )
             return False
 
-        await wait_until(logged, timeout=timeout, what=f"{self.name} to log {text!r}")
+        await wait_until(logged, timeout=timeout, what=f"{self.name} to log {pattern!r}")
+        return found[0]
+
+    async def ops_url(self, timeout: float = 15.0) -> str:
+        """The base URL of a consumer's /healthz, /readyz and /metrics (SYNC_HTTP_PORT=0: read
+        from the line the process logs at start)."""
+        line = await self.wait_log(OPS_URL, timeout)
+        match = OPS_URL.search(line)
+        assert match is not None
+        return match.group(1)
 
     def close(self) -> None:
         """Kill the process if it still runs, reap it, close the log."""
@@ -256,51 +323,58 @@ class ConsumerProcess:
         self._log_file.close()
 
 
-class ProcessLauncher:
-    """Starts consumer processes for one test, and kills leftovers at the end."""
+class Processes:
+    """Starts serversync processes for one test, with process_env(), `defaults` (FAST_ENV
+    unless told) and each start's own variables; as a context manager, kills what still runs at
+    the end and prints every log (pytest shows them when a test fails)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, defaults: Mapping[str, str] = FAST_ENV) -> None:
         self.log_dir = log_dir
-        self.processes: list[ConsumerProcess] = []
+        self.defaults = dict(defaults)
+        self.started: list[ServersyncProcess] = []
 
-    def start(
-        self, database_url: str, frontend_url: str, name: str | None = None, **env: str
-    ) -> ConsumerProcess:
-        """A new consumer process; `env` overrides FAST_ENV (SYNC_BATCH_SIZE="50", ...)."""
-        base = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("SYNC_", "DATABASE_URL", "FRONTEND_", "PG"))
-        }
-        full = {
-            **base,
-            **FAST_ENV,
-            "DATABASE_URL": database_url,
-            "FRONTEND_BASE_URL": frontend_url,
-            **env,
-        }
-        name = name or f"consumer-{len(self.processes) + 1}"
-        process = ConsumerProcess(name, self.log_dir / f"{name}.log", full)
-        self.processes.append(process)
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def launch(self, name: str, args: list[str], env: dict[str, str]) -> ServersyncProcess:
+        """`serversync ARGS...` with exactly `env`."""
+        process = ServersyncProcess(name, args, env, self.log_dir / f"{name}.log")
+        self.started.append(process)
         return process
 
+    def start(self, name: str, args: list[str], **env: str) -> ServersyncProcess:
+        """`serversync ARGS...` with process_env(), the defaults, and `env` over them."""
+        return self.launch(name, args, process_env(**{**self.defaults, **env}))
+
+    def consumer(
+        self,
+        database_url: str,
+        frontend_url: str,
+        name: str | None = None,
+        *,
+        consumer: str = CONSUMER,
+        log_format: str | None = "text",
+        **env: str,
+    ) -> ServersyncProcess:
+        """`serversync [--log-format FORMAT] run CONSUMER` (None: the default format, JSON);
+        `env` adds or overrides variables (SYNC_BATCH_SIZE="50", ...)."""
+        args = ["--log-format", log_format] if log_format else []
+        return self.start(
+            name or f"consumer-{len(self.started) + 1}",
+            [*args, "run", consumer],
+            **{"DATABASE_URL": database_url, "FRONTEND_BASE_URL": frontend_url, **env},
+        )
+
     def close(self) -> None:
-        """Kill every process still running and print every log (shown when a test fails)."""
-        for process in self.processes:
+        """Kill every process still running and print every log."""
+        for process in self.started:
             process.close()
-        for process in self.processes:
+        for process in self.started:
             print(f"===== {process.name} (pid {process.pid}, exit {process.returncode}) =====")
             print(process.log())
-
-
-@contextlib.contextmanager
-def launcher(log_dir: Path) -> Iterator[ProcessLauncher]:
-    """A ProcessLauncher that cleans up after itself."""
-    procs = ProcessLauncher(log_dir)
-    try:
-        yield procs
-    finally:
-        procs.close()
 
 
 # -- the backend side --------------------------------------------------------------------------
@@ -356,6 +430,17 @@ async def insert_calls(dsn: str, count: int, *, tag: str = "c", transactions: in
                 (tag, done + 1, done + n),
             )
             done += n
+
+
+async def insert_callers(dsn: str, callers: list[str]) -> None:
+    """One call log per caller number, all in one transaction (one batch for the consumer)."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        await conn.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) "
+            "SELECT c, 'x' FROM unnest(%s::text[]) WITH ORDINALITY AS u(c, n) ORDER BY n",
+            (callers,),
+        )
 
 
 async def leader_lock_holders(dsn: str) -> list[str]:

@@ -8,14 +8,10 @@ import asyncio
 import contextlib
 import io
 import math
-import os
-import signal
 import struct
-import subprocess
-import sys
 import uuid
 import wave
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,15 +20,14 @@ import aiohttp
 import orjson
 import psycopg
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from consumer.devdb import free_port
 from consumer.events import Position
-from consumer.receiver.app import Handler, build_app
+from consumer.receiver.app import Handler
 from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles
-from consumer.receiver.store import EntityStore
-from consumer.wiring import open_pool
-from tests.conftest import ROOT, fetch_all, serve_app, wait_until
-from tests.helpers_processes import FAST_ENV, outbox_end
+from tests.conftest import fetch_all, serve_receiver, wait_until
+from tests.helpers_processes import Processes, ServersyncProcess, outbox_end, process_env
 
 SECRET = "recording-test-secret-0123456789"  # noqa: S105 (test-only)
 CONSUMER = "recording-upload"
@@ -296,7 +291,7 @@ class UploadLog:
                 self.hold_ids.clear()
             self._changed.notify_all()
 
-    def middleware(self) -> Any:
+    def middleware(self) -> Middleware:
         """The aiohttp middleware to put in front of the receiver's handlers."""
 
         @web.middleware
@@ -345,170 +340,58 @@ async def recording_receiver(
 ) -> AsyncIterator[Receiver]:
     """The reference receiver app (signed, keeping recordings in store_dir) with an UploadLog
     in front of it, on a free loopback port."""
-    files = RecordingFiles(store_dir, max_bytes=max_bytes)
-    files.prepare()
     log = UploadLog()
-    async with open_pool(receiver_dsn, "test-ingest", max_size=4) as pool:
-        app = build_app(
-            EntityStore(pool),
-            max_body_bytes=1024 * 1024,
-            shared_secret=SECRET,
-            recordings=files,
-        )
-        app.middlewares.insert(0, log.middleware())
-        async with serve_app(app, shutdown_timeout=1.0) as url:
-            try:
-                yield Receiver(url, store_dir, log)
-            finally:
-                # Held uploads must end before the server can shut down.
-                await log.release()
+    async with serve_receiver(
+        receiver_dsn,
+        recordings=RecordingFiles(store_dir, max_bytes=max_bytes),
+        shared_secret=SECRET,
+        middlewares=[log.middleware()],
+        shutdown_timeout=1.0,
+    ) as url:
+        try:
+            yield Receiver(url, store_dir, log)
+        finally:
+            # Held uploads must end before the server can shut down.
+            await log.release()
 
 
 # -- processes ---------------------------------------------------------------------------------
 
 
-def _base_env() -> dict[str, str]:
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(
-            ("SYNC_", "DATABASE_URL", "FRONTEND_", "PG", "RECORDINGS_", "INGEST_", "SERVERSYNC_")
-        )
-    }
+class RecordingProcesses(Processes):
+    """Processes (FAST_ENV timers) that also start recording-upload consumers and the
+    receiver as `serversync ingest-server`, all signed with SECRET."""
 
-
-def consumer_env(dsn: str, frontend_url: str, recordings_dir: Path, **extra: str) -> dict[str, str]:
-    """The environment of `serversync run recording-upload` (FAST_ENV timers, signed)."""
-    return {
-        **_base_env(),
-        **FAST_ENV,
-        "DATABASE_URL": dsn,
-        "FRONTEND_BASE_URL": frontend_url,
-        "RECORDINGS_DIR": str(recordings_dir),
-        "SYNC_SHARED_SECRET": SECRET,
-        **extra,
-    }
-
-
-class Process:
-    """`python -m consumer --log-format text ARGS...` with its output in a file."""
-
-    def __init__(self, name: str, log_path: Path, args: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log_file = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "consumer", "--log-format", "text", *args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-        )
-
-    @property
-    def pid(self) -> int:
-        """The process id."""
-        return self.proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """None while running."""
-        return self.proc.poll()
-
-    def log(self) -> str:
-        """Everything the process wrote so far."""
-        return self.log_path.read_text(errors="replace")
-
-    def assert_alive(self) -> None:
-        """Fail with the log if the process ended."""
-        assert self.proc.poll() is None, (
-            f"{self.name} exited with {self.proc.returncode}:\n{self.log()}"
-        )
-
-    def memory_kib(self, key: str) -> int:
-        """A line of /proc/<pid>/status in KiB (VmRSS: now; VmHWM: the peak so far)."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            name, _, value = line.partition(":")
-            if name == key:
-                return int(value.split()[0])
-        raise AssertionError(f"no {key} in /proc/{self.pid}/status")
-
-    async def wait_exit(self, timeout: float) -> int:
-        """Wait for the process to end; its return code."""
-        await wait_until(
-            lambda: self.proc.poll() is not None,
-            timeout=timeout,
-            what=f"{self.name} (pid {self.pid}) to exit",
-        )
-        code = self.proc.poll()
-        assert code is not None
-        return code
-
-    async def wait_log(self, text: str, timeout: float = 10.0) -> None:
-        """Wait until the log holds `text`; fail early if the process ended without it."""
-
-        def logged() -> bool:
-            if text in self.log():
-                return True
-            assert self.proc.poll() is None or text in self.log(), (
-                f"{self.name} exited with {self.proc.returncode} before logging {text!r}:\n"
-                + self.log()
-            )
-            return False
-
-        await wait_until(logged, timeout=timeout, what=f"{self.name} to log {text!r}")
-
-    async def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM and wait for the exit."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return await self.wait_exit(timeout)
-
-    def close(self) -> None:
-        """Kill the process if it still runs, reap it, close the log."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        self._log_file.close()
-
-
-class Processes:
-    """Starts processes for one test; kills leftovers and prints every log at the end."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.started: list[Process] = []
-
-    def _start(self, name: str, args: list[str], env: dict[str, str]) -> Process:
-        process = Process(name, self.log_dir / f"{name}.log", args, env)
-        self.started.append(process)
-        return process
-
-    def consumer(
+    def upload_consumer(
         self, dsn: str, frontend_url: str, recordings_dir: Path, name: str, **extra: str
-    ) -> Process:
-        """`serversync run recording-upload`; `extra` adds or overrides variables."""
-        env = consumer_env(dsn, frontend_url, recordings_dir, **extra)
-        return self._start(name, ["run", CONSUMER], env)
+    ) -> ServersyncProcess:
+        """`serversync --log-format text run recording-upload`; `extra` adds or overrides
+        variables."""
+        return self.consumer(
+            dsn,
+            frontend_url,
+            name,
+            consumer=CONSUMER,
+            **{"RECORDINGS_DIR": str(recordings_dir), "SYNC_SHARED_SECRET": SECRET, **extra},
+        )
 
     async def ingest_server(
         self, receiver_dsn: str, store: Path, name: str = "ingest-server", **extra: str
-    ) -> tuple[str, Process]:
-        """`serversync ingest-server` on a free loopback port, once it answers: its base URL and
-        the process."""
+    ) -> tuple[str, ServersyncProcess]:
+        """`serversync --log-format text ingest-server` on a free loopback port (without the
+        consumers' FAST_ENV), once it answers: its base URL and the process."""
         port = free_port()
-        env = {
-            **_base_env(),
-            "FRONTEND_DATABASE_URL": receiver_dsn,
-            "INGEST_HOST": "127.0.0.1",
-            "INGEST_PORT": str(port),
-            "RECORDINGS_STORE_DIR": str(store),
-            "SYNC_SHARED_SECRET": SECRET,
-            **extra,
-        }
-        process = self._start(name, ["ingest-server"], env)
+        env = process_env(
+            **{
+                "FRONTEND_DATABASE_URL": receiver_dsn,
+                "INGEST_HOST": "127.0.0.1",
+                "INGEST_PORT": str(port),
+                "RECORDINGS_STORE_DIR": str(store),
+                "SYNC_SHARED_SECRET": SECRET,
+                **extra,
+            }
+        )
+        process = self.launch(name, ["--log-format", "text", "ingest-server"], env)
         url = f"http://127.0.0.1:{port}"
 
         async def healthy() -> bool:
@@ -523,21 +406,3 @@ class Processes:
 
         await wait_until(healthy, timeout=20, interval=0.05, what=f"{name} to answer")
         return url, process
-
-    def close(self) -> None:
-        """Kill what still runs; print the logs (pytest shows them when a test fails)."""
-        for process in self.started:
-            process.close()
-        for process in self.started:
-            print(f"===== {process.name} (pid {process.pid}, exit {process.returncode}) =====")
-            print(process.log())
-
-
-@contextlib.contextmanager
-def processes(log_dir: Path) -> Iterator[Processes]:
-    """A Processes that cleans up after itself."""
-    started = Processes(log_dir)
-    try:
-        yield started
-    finally:
-        started.close()

@@ -10,7 +10,6 @@ import os
 import random
 import socket
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -28,9 +27,10 @@ from tests.conftest import (
     fetch_value,
     make_settings,
     running_consumer,
-    start_cli,
     wait_until,
 )
+from tests.test_cli import CliResult, add_events, assert_ok, assert_one_line_error
+from tests.test_cli import run_cli as run_cli_with
 
 CONSUMER = "frontend-sync"
 RETENTION = timedelta(days=30)
@@ -43,50 +43,9 @@ ROWS = "SELECT o.txid::text, o.seq FROM sync.events_outbox o ORDER BY o.txid, o.
 # -- running the command -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CliResult:
-    """What one `serversync` process did."""
-
-    code: int
-    stdout: str
-    stderr: str
-
-    def logs(self) -> list[dict[str, Any]]:
-        """The JSON log lines on stderr."""
-        return [orjson.loads(line) for line in self.stderr.splitlines() if line.startswith("{")]
-
-
 async def run_cli(dsn: str, *args: str, timeout: float = 60.0) -> CliResult:
     """`serversync ARGS...` against `dsn`, to the end."""
-    process = await start_cli(*args, env=cli_env(DATABASE_URL=dsn))
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), timeout=timeout)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise AssertionError(
-            f"serversync {' '.join(args)} still running after {timeout}s"
-        ) from None
-    assert process.returncode is not None
-    return CliResult(process.returncode, out.decode(), err.decode())
-
-
-def assert_ok(result: CliResult) -> None:
-    """Exit 0, no traceback."""
-    assert result.code == 0, result
-    assert "Traceback" not in result.stderr, result.stderr
-
-
-def assert_one_line_error(result: CliResult, code: int, *fragments: str) -> None:
-    """Exit `code`; stderr is one `serversync: ...` line holding every fragment; no stdout."""
-    assert result.code == code, result
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("serversync: "), lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    assert result.stdout == ""
+    return await run_cli_with(*args, env=cli_env(DATABASE_URL=dsn), timeout=timeout)
 
 
 def batch_logs(result: CliResult, table: str) -> list[dict[str, Any]]:
@@ -95,28 +54,6 @@ def batch_logs(result: CliResult, table: str) -> list[dict[str, Any]]:
 
 
 # -- backend data --------------------------------------------------------------------------------
-
-
-async def add_call_logs(dsn: str, n: int, *, wait_final: bool = False) -> None:
-    """`n` events through the relay trigger, each in its own transaction."""
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    async with conn:
-        for i in range(n):
-            await conn.execute(
-                "INSERT INTO call_logs (caller_number, callee_number) VALUES (%s, 'x')", (f"c{i}",)
-            )
-
-    async def final() -> bool:
-        held = await fetch_value(
-            dsn,
-            "SELECT count(*) FROM sync.events_outbox "
-            "WHERE txid >= pg_snapshot_xmin(pg_current_snapshot())",
-        )
-        return bool(held == 0)
-
-    # A consumer reads only rows of ended transactions; other tests' open ones may hold it back.
-    if wait_final:
-        await wait_until(final, timeout=30, what="the new events to become final")
 
 
 async def add_rows(dsn: str, n: int, *, age: str = "0 days", txid: int | None = None) -> None:
@@ -196,7 +133,7 @@ async def run_cleanup(dsn: str, **options: Any) -> CleanupReport:
 
 
 async def test_cleanup_deletes_only_old_rows_every_consumer_has_passed(backend_dsn: str) -> None:
-    await add_call_logs(backend_dsn, 30)
+    await add_events(backend_dsn, 30, "c", wait_final=False)
     rows = await positions(backend_dsn)
     await make_old(backend_dsn, rows[:20])
     # audit has passed the first 10 events, billing all of them.
@@ -229,7 +166,7 @@ async def test_cleanup_deletes_only_old_rows_every_consumer_has_passed(backend_d
 async def test_a_lagging_consumer_keeps_its_rows_until_it_has_caught_up(
     backend_dsn: str, receiver_url: str
 ) -> None:
-    await add_call_logs(backend_dsn, 8, wait_final=True)
+    await add_events(backend_dsn, 8, "c")
     rows = await positions(backend_dsn)
     await make_old(backend_dsn, rows)
     await place(backend_dsn, CONSUMER, Position.start())  # registered, nothing delivered yet
@@ -530,7 +467,7 @@ async def test_a_bad_option_is_an_error_naming_it_and_exit_2(backend_dsn: str) -
 async def test_consumers_remove_refuses_while_the_consumer_runs_and_works_once_stopped(
     backend_dsn: str, receiver_url: str
 ) -> None:
-    await add_call_logs(backend_dsn, 3, wait_final=True)
+    await add_events(backend_dsn, 3, "c")
     await add_dead_letter(backend_dsn, CONSUMER, 1, "PENDING")
     await add_dead_letter(backend_dsn, CONSUMER, 2, "DEAD")
     async with running_consumer(make_settings(backend_dsn, receiver_url)) as runtime:

@@ -53,6 +53,10 @@ class CliResult:
     stdout: str
     stderr: str
 
+    def logs(self) -> list[dict[str, Any]]:
+        """The JSON log lines on stderr."""
+        return [orjson.loads(line) for line in self.stderr.splitlines() if line.startswith("{")]
+
 
 async def finish(process: asyncio.subprocess.Process, timeout: float = 60.0) -> CliResult:
     """Wait for a started command; kill it and fail if it outlives `timeout`."""

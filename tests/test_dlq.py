@@ -31,7 +31,7 @@ from tests.conftest import (
     serve_app,
     wait_until,
 )
-from tests.helpers_processes import launcher
+from tests.helpers_processes import Processes, insert_callers
 from tests.test_cli import (
     CliResult,
     assert_ok,
@@ -112,17 +112,6 @@ async def scripted_receiver() -> AsyncIterator[ScriptedReceiver]:
 # -- parking events ------------------------------------------------------------------------------
 
 
-async def insert_calls(dsn: str, callers: list[str]) -> None:
-    """One call log per caller number, all in one transaction (one batch for the consumer)."""
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    async with conn:
-        await conn.execute(
-            "INSERT INTO call_logs (caller_number, callee_number) "
-            "SELECT c, 'x' FROM unnest(%s::text[]) WITH ORDINALITY AS u(c, n) ORDER BY n",
-            (callers,),
-        )
-
-
 @dataclass(frozen=True)
 class Parked:
     """A parked event as the test knows it."""
@@ -154,7 +143,7 @@ async def park(
     receiver.refuse |= set(bads)
     mixed = [c for pair in zip(bads, goods, strict=False) for c in pair]
     mixed += bads[len(goods) :] + goods[len(bads) :]
-    await insert_calls(dsn, mixed)
+    await insert_callers(dsn, mixed)
     async with running_consumer(settings) as runtime:
 
         def settled() -> bool:
@@ -646,15 +635,15 @@ async def test_a_consumer_process_serves_the_admin_api_only_with_a_token(
     with_token, without = two_free_ports()
     async with scripted_receiver() as receiver:
         receiver.refuse = {"bad-0"}
-        with launcher(tmp_path) as procs:
-            served = procs.start(
+        with Processes(tmp_path) as procs:
+            served = procs.consumer(
                 backend_dsn,
                 receiver.url,
                 "with-token",
                 SYNC_ADMIN_TOKEN=TOKEN,
                 SYNC_HTTP_PORT=str(with_token),
             )
-            off = procs.start(backend_dsn, receiver.url, "without", SYNC_HTTP_PORT=str(without))
+            off = procs.consumer(backend_dsn, receiver.url, "without", SYNC_HTTP_PORT=str(without))
             # Generous deadlines: two interpreters start at once on a possibly busy machine.
             await served.wait_log(
                 f"readiness and metrics on http://127.0.0.1:{with_token} (and the DLQ admin API)",
@@ -671,7 +660,7 @@ async def test_a_consumer_process_serves_the_admin_api_only_with_a_token(
             base = f"http://127.0.0.1:{with_token}"
             assert await http_get(f"{base}/healthz", token=None) == health
             assert (await http_get(f"{base}{LIST}", token=None))[0] == 401
-            await insert_calls(backend_dsn, ["good-0", "bad-0", "good-1"])
+            await insert_callers(backend_dsn, ["good-0", "bad-0", "good-1"])
 
             async def parked() -> bool:
                 status, body = await http_get(f"{base}{LIST}")

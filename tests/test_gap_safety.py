@@ -772,6 +772,14 @@ async def test_lost_notify_during_listener_reconnect_is_caught_up(gap_dsn: str) 
     sink = RecordingSink()
     async with running_runtime(gap_dsn, sink, poll_interval=60.0) as runtime:
         listener = listener_of(runtime)
+
+        async def idle_and_waiting() -> bool:
+            # Producers NOTIFY only while a consumer says it waits (sql/backend/0002): before
+            # that, "before" would be read without any NOTIFY and the next wait would time out.
+            waiting = await fetch_value(gap_dsn, "SELECT bool_or(waiting) FROM sync.consumer_waits")
+            return bool(waiting)
+
+        await wait_until(idle_and_waiting, what="the idle consumer to wait for a NOTIFY")
         await insert_call(gap_dsn, "before")
 
         def first_delivered_and_notified() -> bool:

@@ -32,14 +32,12 @@ from tests.conftest import (
     wait_until,
 )
 from tests.helpers_operations import (
-    Processes,
+    OPS_ENV,
     attribute,
     get_json,
-    insert_callers,
     json_lines,
     otlp_collector,
     outcome_receiver,
-    processes,
     scrape,
     wait_metric,
     wait_ready,
@@ -47,6 +45,8 @@ from tests.helpers_operations import (
 from tests.helpers_processes import (
     CONSUMER,
     INGEST_PATH,
+    Processes,
+    insert_callers,
     insert_calls,
     offsets_row,
     outbox_end,
@@ -67,7 +67,7 @@ HEX16 = re.compile(r"^[0-9a-f]{16}$")
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Processes]:
     """Starts serversync processes; kills whatever still runs at the end and prints the logs."""
-    with processes(tmp_path) as launched:
+    with Processes(tmp_path, OPS_ENV) as launched:
         yield launched
 
 
@@ -82,6 +82,11 @@ async def wait_outbox_end(dsn: str) -> tuple[int, int]:
 
     await wait_until(present, what="an event in the outbox")
     return found[0]
+
+
+def ready_body(role: str) -> dict[str, str]:
+    """What /readyz answers for a ready frontend-sync consumer in `role` (leader, standby)."""
+    return {"status": "ready", "consumer": CONSUMER, "role": role, "database": "ok"}
 
 
 @pytest.fixture
@@ -174,12 +179,7 @@ async def test_leader_gauge_and_readiness_flip_on_takeover(
         await second.wait_log(STANDING_BY)
 
         standby = await wait_ready(http, second_ops, "standby")
-        assert standby == {
-            "status": "ready",
-            "consumer": CONSUMER,
-            "role": "standby",
-            "database": "ok",
-        }
+        assert standby == ready_body("standby")
         assert (await scrape(http, second_ops)).value("serversync_leader", consumer=CONSUMER) == 0
         assert (await wait_ready(http, first_ops, "leader"))["status"] == "ready"
         assert (await scrape(http, first_ops)).value("serversync_leader", consumer=CONSUMER) == 1
@@ -188,12 +188,7 @@ async def test_leader_gauge_and_readiness_flip_on_takeover(
         assert await first.wait_exit(5) == -signal.SIGKILL
         await wait_metric(http, second_ops, "serversync_leader", 1, consumer=CONSUMER)
         leader = await wait_ready(http, second_ops, "leader")
-        assert leader == {
-            "status": "ready",
-            "consumer": CONSUMER,
-            "role": "leader",
-            "database": "ok",
-        }
+        assert leader == ready_body("leader")
         assert (await offsets_row(backend_dsn))["leader_pid"] == second.pid
 
         # The new leader does the work, and counts it.
@@ -289,12 +284,7 @@ async def test_readyz_follows_the_database_and_healthz_does_not(
     async with serve_fault_receiver() as receiver:
         process = procs.consumer(dsn, receiver.url)
         ops = await process.ops_url()
-        assert await wait_ready(http, ops, "leader") == {
-            "status": "ready",
-            "consumer": CONSUMER,
-            "role": "leader",
-            "database": "ok",
-        }
+        assert await wait_ready(http, ops, "leader") == ready_body("leader")
         await wait_metric(http, ops, "serversync_backlog_events", 0, consumer=CONSUMER)
         await asyncio.to_thread(private_cluster.stop, "fast")
         try:
@@ -332,12 +322,7 @@ async def test_readyz_follows_the_database_and_healthz_does_not(
             assert body["database"] not in ("", "ok"), body
         finally:
             await asyncio.to_thread(private_cluster.start)
-        assert await wait_ready(http, ops, "leader", timeout=15) == {
-            "status": "ready",
-            "consumer": CONSUMER,
-            "role": "leader",
-            "database": "ok",
-        }
+        assert await wait_ready(http, ops, "leader", timeout=15) == ready_body("leader")
         # And it delivers again.
         await insert_calls(dsn, 3)
         await wait_until(lambda: receiver.delivered == {1, 2, 3}, what="3 events delivered")

@@ -27,11 +27,10 @@ from consumer.wiring import open_pool
 from tests.conftest import Databases, fetch_all, fetch_value, wait_until
 from tests.helpers_processes import (
     CONSUMER,
-    ConsumerProcess,
     FaultReceiver,
-    ProcessLauncher,
+    Processes,
+    ServersyncProcess,
     insert_calls,
-    launcher,
     leader_lock_holders,
     lock_application_name,
     offsets_row,
@@ -52,9 +51,9 @@ async def receiver() -> AsyncIterator[FaultReceiver]:
 
 
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[ProcessLauncher]:
+def procs(tmp_path: Path) -> Iterator[Processes]:
     """Starts consumer processes; kills whatever still runs at the end and prints the logs."""
-    with launcher(tmp_path) as launched:
+    with Processes(tmp_path) as launched:
         yield launched
 
 
@@ -86,7 +85,7 @@ async def leader_pid(dsn: str) -> int | None:
     return pid
 
 
-async def wait_leader(dsn: str, process: ConsumerProcess, timeout: float = 10.0) -> None:
+async def wait_leader(dsn: str, process: ServersyncProcess, timeout: float = 10.0) -> None:
     """Wait until `process` leads frontend-sync."""
 
     async def leads() -> bool:
@@ -100,11 +99,11 @@ async def wait_leader(dsn: str, process: ConsumerProcess, timeout: float = 10.0)
 
 
 async def test_sigkill_mid_batch_redelivers_only_the_in_flight_batch(
-    backend_dsn: str, receiver: FaultReceiver, procs: ProcessLauncher
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
     await insert_calls(backend_dsn, 120, tag="before", transactions=3)
     receiver.hold_next(1)
-    first = procs.start(backend_dsn, receiver.url, name="first", SYNC_BATCH_SIZE="50")
+    first = procs.consumer(backend_dsn, receiver.url, name="first", SYNC_BATCH_SIZE="50")
     await wait_until(lambda: receiver.held == 1, what="the first batch held at the receiver")
     in_flight = receiver.requests[0]
     assert len(in_flight.seqs) == 50
@@ -118,7 +117,7 @@ async def test_sigkill_mid_batch_redelivers_only_the_in_flight_batch(
     # Events committed while no consumer runs.
     await insert_calls(backend_dsn, 30, tag="while-down")
 
-    procs.start(backend_dsn, receiver.url, name="second", SYNC_BATCH_SIZE="50")
+    procs.consumer(backend_dsn, receiver.url, name="second", SYNC_BATCH_SIZE="50")
     expected = await wait_all_delivered(backend_dsn, receiver)
     assert len(expected) == 150
 
@@ -131,7 +130,7 @@ async def test_sigkill_mid_batch_redelivers_only_the_in_flight_batch(
 
 
 async def test_random_sigkills_lose_nothing_and_bound_duplicates(
-    backend_dsn: str, receiver: FaultReceiver, procs: ProcessLauncher
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
     # SERVERSYNC_TEST_SEED=N replays the kill schedule of a failed run.
     seed = int(os.environ.get("SERVERSYNC_TEST_SEED") or random.randrange(2**32))
@@ -142,7 +141,7 @@ async def test_random_sigkills_lose_nothing_and_bound_duplicates(
     receiver.latency = (0.0, 0.01)  # a receiver that does some work: kills land mid-request too
     kills = 0
     for round_no in range(rounds):
-        process = procs.start(
+        process = procs.consumer(
             backend_dsn, receiver.url, name=f"round-{round_no}", SYNC_BATCH_SIZE=str(batch_size)
         )
         target = receiver.seen + rng.randint(1, 4)
@@ -151,7 +150,7 @@ async def test_random_sigkills_lose_nothing_and_bound_duplicates(
             receiver.hold_from, receiver.hold_until = target - 1, target
 
         def reached(
-            target: int = target, hold: bool = hold, process: ConsumerProcess = process
+            target: int = target, hold: bool = hold, process: ServersyncProcess = process
         ) -> bool:
             assert process.returncode is None, f"{process.name} died:\n{process.log()}"
             return receiver.seen >= target and (not hold or receiver.held == 1)
@@ -165,7 +164,7 @@ async def test_random_sigkills_lose_nothing_and_bound_duplicates(
         # Events committed while no consumer runs.
         await insert_calls(backend_dsn, rng.randint(0, 60), tag=f"round-{round_no}")
 
-    procs.start(backend_dsn, receiver.url, name="final", SYNC_BATCH_SIZE=str(batch_size))
+    procs.consumer(backend_dsn, receiver.url, name="final", SYNC_BATCH_SIZE=str(batch_size))
     expected = await wait_all_delivered(backend_dsn, receiver, timeout=30)
     assert len(expected) >= 1800
     duplicates = sum(receiver.duplicates().values())
@@ -175,11 +174,11 @@ async def test_random_sigkills_lose_nothing_and_bound_duplicates(
 
 
 async def test_receiver_errors_then_sigkill_during_retries(
-    backend_dsn: str, receiver: FaultReceiver, procs: ProcessLauncher
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
     await insert_calls(backend_dsn, 40)
     receiver.fail_next(10_000)  # HTTP 500 until told otherwise
-    first = procs.start(backend_dsn, receiver.url, name="first")
+    first = procs.consumer(backend_dsn, receiver.url, name="first")
     await wait_until(lambda: receiver.seen >= 3, what="three failed attempts")
 
     async def error_recorded() -> bool:
@@ -199,7 +198,7 @@ async def test_receiver_errors_then_sigkill_during_retries(
     # The receiver recovers after two more failures (one of them may still go to a request the
     # dead process had sent).
     receiver.fail_next(2)
-    second = procs.start(backend_dsn, receiver.url, name="second")
+    second = procs.consumer(backend_dsn, receiver.url, name="second")
     await wait_all_delivered(backend_dsn, receiver)
     assert "failed (attempt 1)" in second.log()
     # Every attempt carried the same batch under the same key; only the last one was accepted.
@@ -224,10 +223,10 @@ async def test_receiver_errors_then_sigkill_during_retries(
 
 
 async def test_standby_takes_over_after_leader_sigkill(
-    backend_dsn: str, receiver: FaultReceiver, procs: ProcessLauncher
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
-    one = procs.start(backend_dsn, receiver.url, name="one")
-    two = procs.start(backend_dsn, receiver.url, name="two")
+    one = procs.consumer(backend_dsn, receiver.url, name="one")
+    two = procs.consumer(backend_dsn, receiver.url, name="two")
     by_pid = {one.pid: one, two.pid: two}
 
     async def someone_leads() -> bool:
@@ -316,7 +315,7 @@ FOR EACH ROW EXECUTE FUNCTION audit.log_offsets();
 
 
 async def test_fenced_old_leader_never_moves_the_offset(
-    backend_dsn: str, receiver: FaultReceiver, procs: ProcessLauncher
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
     # Every change of the offsets row, with the application_name of the session that made it.
     conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
@@ -325,10 +324,10 @@ async def test_fenced_old_leader_never_moves_the_offset(
 
     # A checks its lock only every 30 s: it cannot notice that it lost the lock before its POST
     # comes back, so the epoch fence alone must stop its commit.
-    old = procs.start(backend_dsn, receiver.url, name="old", SYNC_STANDBY_INTERVAL_SEC="30")
+    old = procs.consumer(backend_dsn, receiver.url, name="old", SYNC_STANDBY_INTERVAL_SEC="30")
     await wait_leader(backend_dsn, old)
     old_epoch = (await offsets_row(backend_dsn))["epoch"]
-    new = procs.start(backend_dsn, receiver.url, name="new")
+    new = procs.consumer(backend_dsn, receiver.url, name="new")
     await new.wait_log(STANDING_BY)
 
     receiver.hold_next(1)
@@ -399,9 +398,9 @@ async def test_fenced_old_leader_never_moves_the_offset(
 
 
 async def test_sigterm_while_idle_exits_cleanly_and_frees_the_lead(
-    backend_dsn: str, receiver: FaultReceiver, procs: ProcessLauncher
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
-    first = procs.start(backend_dsn, receiver.url, name="first")
+    first = procs.consumer(backend_dsn, receiver.url, name="first")
     await wait_leader(backend_dsn, first)
     await insert_calls(backend_dsn, 25)
     await wait_all_delivered(backend_dsn, receiver)
@@ -417,7 +416,7 @@ async def test_sigterm_while_idle_exits_cleanly_and_frees_the_lead(
     assert await leader_lock_holders(backend_dsn) == []
     assert "stopped at position" in first.log()
 
-    second = procs.start(backend_dsn, receiver.url, name="second")
+    second = procs.consumer(backend_dsn, receiver.url, name="second")
     await wait_leader(backend_dsn, second)
     await second.wait_log("leading (epoch")
     assert STANDING_BY not in second.log(), "the lock was still held after a clean stop"
@@ -427,9 +426,9 @@ async def test_sigterm_while_idle_exits_cleanly_and_frees_the_lead(
 
 
 async def test_sigterm_lets_the_batch_in_flight_finish(
-    backend_dsn: str, receiver: FaultReceiver, procs: ProcessLauncher
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
-    process = procs.start(backend_dsn, receiver.url, SYNC_SHUTDOWN_TIMEOUT_SEC="5")
+    process = procs.consumer(backend_dsn, receiver.url, SYNC_SHUTDOWN_TIMEOUT_SEC="5")
     await wait_leader(backend_dsn, process)
     # The receiver takes 1 s over this batch: well within the 5 s shutdown timeout.
     receiver.slow[0] = 1.0
@@ -448,10 +447,10 @@ async def test_sigterm_lets_the_batch_in_flight_finish(
 
 
 async def test_sigterm_abandons_a_batch_the_receiver_never_answers(
-    backend_dsn: str, receiver: FaultReceiver, procs: ProcessLauncher
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
     shutdown_timeout = 2.0
-    process = procs.start(
+    process = procs.consumer(
         backend_dsn, receiver.url, SYNC_SHUTDOWN_TIMEOUT_SEC=str(shutdown_timeout)
     )
     await wait_leader(backend_dsn, process)
@@ -476,7 +475,7 @@ async def test_sigterm_abandons_a_batch_the_receiver_never_answers(
     # Nothing is lost: the next leader delivers the abandoned batch.
     abandoned = receiver.requests[-1]
     assert len(abandoned.seqs) == 35
-    procs.start(backend_dsn, receiver.url, name="next")
+    procs.consumer(backend_dsn, receiver.url, name="next")
     await wait_all_delivered(backend_dsn, receiver)
     assert receiver.requests[-1].seqs == abandoned.seqs
 
@@ -504,11 +503,11 @@ async def test_consumer_rides_out_a_postgres_restart(
     private_cluster: PrivateCluster,
     private_backend_dsn: str,
     receiver: FaultReceiver,
-    procs: ProcessLauncher,
+    procs: Processes,
     lock_check_sec: str,
 ) -> None:
     dsn = private_backend_dsn
-    process = procs.start(dsn, receiver.url, SYNC_STANDBY_INTERVAL_SEC=lock_check_sec)
+    process = procs.consumer(dsn, receiver.url, SYNC_STANDBY_INTERVAL_SEC=lock_check_sec)
     await wait_leader(dsn, process)
     await insert_calls(dsn, 40, tag="before")
     await wait_all_delivered(dsn, receiver)
@@ -553,14 +552,14 @@ async def test_sigterm_while_the_database_is_down(
     private_cluster: PrivateCluster,
     private_backend_dsn: str,
     receiver: FaultReceiver,
-    procs: ProcessLauncher,
+    procs: Processes,
     moment: str,
 ) -> None:
     dsn = private_backend_dsn
     shutdown_timeout = 2.0
     # A lock check every 30 s: the process does not notice the outage by itself; only its
     # database steps meet it (the pool waits up to 30 s for a connection).
-    process = procs.start(
+    process = procs.consumer(
         dsn,
         receiver.url,
         SYNC_STANDBY_INTERVAL_SEC="30",
@@ -589,7 +588,7 @@ async def test_sigterm_while_the_database_is_down(
         await asyncio.to_thread(private_cluster.start)
 
     # Nothing is lost: the next process delivers what the stopped one could not commit.
-    nxt = procs.start(dsn, receiver.url, name="next")
+    nxt = procs.consumer(dsn, receiver.url, name="next")
     await wait_leader(dsn, nxt)
     await insert_calls(dsn, 5, tag="after")
     await wait_all_delivered(dsn, receiver)

@@ -10,11 +10,13 @@ import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from consumer.events import Position
+from consumer.settings import SyncSettings
 from consumer.sinks.local_recordings import RecordingsDir
 from tests.conftest import (
     cli_env,
@@ -24,18 +26,19 @@ from tests.conftest import (
     start_cli,
     wait_until,
 )
+from tests.helpers_processes import ServersyncProcess
 from tests.helpers_recordings import (
     CONSUMER,
     SECRET,
-    Processes,
+    Parked,
     Recording,
+    RecordingProcesses,
     all_dead_letters,
     event_position,
     execute,
     incoming_leftovers,
     make_recording,
     parked,
-    processes,
     recording_receiver,
     recording_row,
     stored_files,
@@ -53,9 +56,9 @@ MIB = 1024 * 1024
 
 
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Processes]:
+def procs(tmp_path: Path) -> Iterator[RecordingProcesses]:
     """Starts processes; kills whatever still runs at the end and prints the logs."""
-    with processes(tmp_path) as started:
+    with RecordingProcesses(tmp_path) as started:
         yield started
 
 
@@ -84,6 +87,18 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
+def upload_settings(dsn: str, receiver_url: str, local: Path, **overrides: Any) -> SyncSettings:
+    """Settings of an in-process recording-upload consumer: RECORDINGS_DIR `local`, signed."""
+    return make_settings(
+        dsn, receiver_url, RECORDINGS_DIR=str(local), SYNC_SHARED_SECRET=SECRET, **overrides
+    )
+
+
+def without(before: dict[Path, bytes | str], folder: Path) -> dict[Path, bytes | str]:
+    """A snapshot without what lies in `folder`."""
+    return {path: data for path, data in before.items() if not path.is_relative_to(folder)}
+
+
 def assert_kept_once(store: Path, recording: Recording) -> None:
     """The receiver holds exactly one copy of the recording: its audio (these bytes) and meta,
     and no temporary file."""
@@ -96,6 +111,16 @@ def assert_kept_once(store: Path, recording: Recording) -> None:
     assert incoming_leftovers(store) == []
 
 
+async def assert_parked(
+    dsn: str, dead: dict[str, Parked], rid: str, code: str, fragment: str
+) -> None:
+    """The recording's event is parked with `code` and a message holding `fragment`; its row
+    is still pending."""
+    assert dead[rid].error_code == code, dead[rid]
+    assert fragment in dead[rid].error_message, dead[rid]
+    assert await recording_row(dsn, rid) == ("pending", None)
+
+
 # -- the normal flow -----------------------------------------------------------------------------
 
 
@@ -105,9 +130,7 @@ async def test_recordings_are_uploaded_marked_and_deleted_locally(
     local, store = dirs(tmp_path)
     async with recording_receiver(receiver_dsn, store) as receiver:
         made = [await make_recording(backend_dsn, local) for _ in range(3)]
-        settings = make_settings(
-            backend_dsn, receiver.url, RECORDINGS_DIR=str(local), SYNC_SHARED_SECRET=SECRET
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local)
         async with running_consumer(settings, CONSUMER) as runtime:
             for recording in made:
                 await wait_uploaded(backend_dsn, recording.recording_id)
@@ -135,17 +158,48 @@ async def test_recordings_are_uploaded_marked_and_deleted_locally(
 # -- crashes -------------------------------------------------------------------------------------
 
 
+async def killed_at(
+    procs: RecordingProcesses, dsn: str, receiver_url: str, local: Path, failpoint: str
+) -> Recording:
+    """A recording, and a consumer process killed at `failpoint` while handling it: the offset
+    has not passed the recording's event."""
+    recording = await make_recording(dsn, local)
+    first = procs.upload_consumer(
+        dsn, receiver_url, local, "first", SERVERSYNC_FAILPOINTS=failpoint
+    )
+    assert await first.wait_exit(20) == -signal.SIGKILL
+    position = await upload_position(dsn)
+    assert position is None or position < await event_position(dsn, recording.recording_id)
+    return recording
+
+
+async def restarted(
+    procs: RecordingProcesses, dsn: str, receiver_url: str, local: Path, recording: Recording
+) -> ServersyncProcess:
+    """A second consumer process, once it deleted the recording's folder and its offset stands
+    at the end of the outbox."""
+    second = procs.upload_consumer(dsn, receiver_url, local, "second")
+    await wait_until(lambda: not recording.folder.exists(), timeout=20, what="the folder deleted")
+    await wait_offset_at_end(dsn)
+    return second
+
+
+async def assert_settled(
+    dsn: str, store: Path, recording: Recording, process: ServersyncProcess
+) -> None:
+    """The receiver kept the recording once, nothing is parked, and `process` stops cleanly."""
+    assert_kept_once(store, recording)
+    assert await all_dead_letters(dsn) == 0
+    assert await process.stop() == 0
+
+
 async def test_sigkill_between_upload_and_mark_ends_with_one_copy_marked_and_deleted(
-    backend_dsn: str, receiver_dsn: str, tmp_path: Path, procs: Processes
+    backend_dsn: str, receiver_dsn: str, tmp_path: Path, procs: RecordingProcesses
 ) -> None:
     local, store = dirs(tmp_path)
     async with recording_receiver(receiver_dsn, store) as receiver:
-        recording = await make_recording(backend_dsn, local)
+        recording = await killed_at(procs, backend_dsn, receiver.url, local, AFTER_UPLOAD)
         rid = recording.recording_id
-        first = procs.consumer(
-            backend_dsn, receiver.url, local, "first", SERVERSYNC_FAILPOINTS=AFTER_UPLOAD
-        )
-        assert await first.wait_exit(20) == -signal.SIGKILL
 
         # Killed with the answer in hand: the receiver has the file, the backend does not know.
         assert receiver.log.statuses(rid) == [200]
@@ -155,49 +209,33 @@ async def test_sigkill_between_upload_and_mark_ends_with_one_copy_marked_and_del
         assert await recording_row(backend_dsn, rid) == ("pending", None)
         assert (recording.folder / "mixed.wav").read_bytes() == recording.audio
         assert (recording.folder / "meta.json").is_file()
-        position = await upload_position(backend_dsn)
-        assert position is None or position < await event_position(backend_dsn, rid)
 
-        second = procs.consumer(backend_dsn, receiver.url, local, "second")
-        assert await wait_uploaded(backend_dsn, rid, timeout=20) == first_url
-        await wait_until(lambda: not recording.folder.exists(), what="the folder deleted")
-        await wait_offset_at_end(backend_dsn)
+        second = await restarted(procs, backend_dsn, receiver.url, local, recording)
+        assert await wait_uploaded(backend_dsn, rid) == first_url
         # The row was still pending, so the file went again; the receiver kept it once.
         assert receiver.log.statuses(rid) == [200, 200]
         assert receiver.log.file_urls(rid) == [first_url, first_url]
-        assert_kept_once(store, recording)
-        assert await all_dead_letters(backend_dsn) == 0
-        assert await second.stop() == 0
+        await assert_settled(backend_dsn, store, recording, second)
 
 
 async def test_sigkill_between_mark_and_delete_deletes_on_restart_without_uploading_again(
-    backend_dsn: str, receiver_dsn: str, tmp_path: Path, procs: Processes
+    backend_dsn: str, receiver_dsn: str, tmp_path: Path, procs: RecordingProcesses
 ) -> None:
     local, store = dirs(tmp_path)
     async with recording_receiver(receiver_dsn, store) as receiver:
-        recording = await make_recording(backend_dsn, local)
+        recording = await killed_at(procs, backend_dsn, receiver.url, local, AFTER_MARK)
         rid = recording.recording_id
-        first = procs.consumer(
-            backend_dsn, receiver.url, local, "first", SERVERSYNC_FAILPOINTS=AFTER_MARK
-        )
-        assert await first.wait_exit(20) == -signal.SIGKILL
 
         status, file_url = await recording_row(backend_dsn, rid)
         assert status == "uploaded"
         assert receiver.log.file_urls(rid) == [file_url]
         assert (recording.folder / "mixed.wav").read_bytes() == recording.audio
-        position = await upload_position(backend_dsn)
-        assert position is None or position < await event_position(backend_dsn, rid)
 
-        second = procs.consumer(backend_dsn, receiver.url, local, "second")
-        await wait_until(lambda: not recording.folder.exists(), what="the folder deleted")
-        await wait_offset_at_end(backend_dsn)
+        second = await restarted(procs, backend_dsn, receiver.url, local, recording)
         await second.wait_log("already uploaded; deleted the folder left behind")
         assert receiver.log.count(rid) == 1, "uploaded again although the row said uploaded"
         assert await recording_row(backend_dsn, rid) == ("uploaded", file_url)
-        assert_kept_once(store, recording)
-        assert await all_dead_letters(backend_dsn) == 0
-        assert await second.stop() == 0
+        await assert_settled(backend_dsn, store, recording, second)
 
 
 async def test_replay_from_earliest_over_uploaded_rows_and_gone_folders_changes_nothing(
@@ -206,9 +244,7 @@ async def test_replay_from_earliest_over_uploaded_rows_and_gone_folders_changes_
     local, store = dirs(tmp_path)
     async with recording_receiver(receiver_dsn, store) as receiver:
         made = [await make_recording(backend_dsn, local) for _ in range(3)]
-        settings = make_settings(
-            backend_dsn, receiver.url, RECORDINGS_DIR=str(local), SYNC_SHARED_SECRET=SECRET
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local)
         async with running_consumer(settings, CONSUMER):
             urls = [await wait_uploaded(backend_dsn, r.recording_id) for r in made]
             await wait_until(lambda: not any(r.folder.exists() for r in made))
@@ -297,9 +333,7 @@ async def test_paths_leaving_recordings_dir_are_parked_and_nothing_outside_is_to
         await bad("is not inside a <callId>/ folder", file_path="mixed.wav")
         good.append(await make_recording(backend_dsn, local))
 
-        settings = make_settings(
-            backend_dsn, receiver.url, RECORDINGS_DIR=str(local), SYNC_SHARED_SECRET=SECRET
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local)
         async with running_consumer(settings, CONSUMER) as runtime:
             await wait_offset_at_end(backend_dsn)
             assert runtime.stats.parked_events == len(refused)
@@ -308,10 +342,8 @@ async def test_paths_leaving_recordings_dir_are_parked_and_nothing_outside_is_to
         dead = await parked(backend_dsn)
         assert set(dead) == set(refused)
         for rid, (_, fragment) in refused.items():
-            assert dead[rid].error_code == "RECORDING_PATH_REFUSED", dead[rid]
-            assert fragment in dead[rid].error_message, dead[rid]
+            await assert_parked(backend_dsn, dead, rid, "RECORDING_PATH_REFUSED", fragment)
             assert dead[rid].status == "PENDING"
-            assert await recording_row(backend_dsn, rid) == ("pending", None)
             assert stored_files(store, rid) == []
         # Nothing from outside reached the receiver; the neighbours did.
         assert receiver.log.ids() == {r.recording_id for r in good}
@@ -358,9 +390,7 @@ async def test_missing_files_and_bad_meta_are_parked_and_kept(
             dir_audio.recording_id: not_regular,
         }
 
-        settings = make_settings(
-            backend_dsn, receiver.url, RECORDINGS_DIR=str(local), SYNC_SHARED_SECRET=SECRET
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local)
         async with running_consumer(settings, CONSUMER) as runtime:
             await wait_offset_at_end(backend_dsn)
             assert runtime.stats.parked_events == len(expected)
@@ -370,15 +400,11 @@ async def test_missing_files_and_bad_meta_are_parked_and_kept(
             expected
         )
         for rid, (code, fragment) in expected.items():
-            assert dead[rid].error_code == code, dead[rid]
-            assert fragment in dead[rid].error_message, dead[rid]
-            assert await recording_row(backend_dsn, rid) == ("pending", None)
+            await assert_parked(backend_dsn, dead, rid, code, fragment)
         assert receiver.log.ids() == {good.recording_id}
         assert (await recording_row(backend_dsn, good.recording_id))[0] == "uploaded"
     # Nothing of the parked recordings was deleted; only the good one's folder is gone.
-    assert snapshot(local) == {
-        path: data for path, data in before.items() if not path.is_relative_to(good.folder)
-    }
+    assert snapshot(local) == without(before, good.folder)
     assert not good.folder.exists()
     assert (fifo_audio.folder / "mixed.wav").is_fifo()
     assert (fifo_meta.folder / "meta.json").is_fifo()
@@ -398,9 +424,7 @@ async def test_a_file_over_the_receivers_limit_is_parked_not_retried(
         good = await make_recording(backend_dsn, local)
         before = snapshot(local)
 
-        settings = make_settings(
-            backend_dsn, receiver.url, RECORDINGS_DIR=str(local), SYNC_SHARED_SECRET=SECRET
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local)
         async with running_consumer(settings, CONSUMER) as runtime:
             await wait_offset_at_end(backend_dsn)
             # A refusal is not passing trouble: never retried with backoff.
@@ -411,28 +435,26 @@ async def test_a_file_over_the_receivers_limit_is_parked_not_retried(
         assert set(dead) == {r.recording_id for r in oversized}
         for recording in oversized:
             rid = recording.recording_id
-            assert dead[rid].error_code == "HTTP_413", dead[rid]
-            assert "over the limit of 262144 bytes" in dead[rid].error_message, dead[rid]
+            await assert_parked(
+                backend_dsn, dead, rid, "HTTP_413", "over the limit of 262144 bytes"
+            )
             # Sent once: the narrower tries answer the receiver's refusal without sending it.
             assert receiver.log.statuses(rid) == [413]
             assert stored_files(store, rid) == []
-            assert await recording_row(backend_dsn, rid) == ("pending", None)
         assert receiver.log.statuses(good.recording_id) == [200]
         assert incoming_leftovers(store) == []
-    assert snapshot(local) == {
-        path: data for path, data in before.items() if not path.is_relative_to(good.folder)
-    }
+    assert snapshot(local) == without(before, good.folder)
 
 
 # -- a large file --------------------------------------------------------------------------------
 
 
 async def test_a_100_mb_recording_is_streamed_with_flat_memory(
-    backend_dsn: str, receiver_dsn: str, tmp_path: Path, procs: Processes
+    backend_dsn: str, receiver_dsn: str, tmp_path: Path, procs: RecordingProcesses
 ) -> None:
     local, store = dirs(tmp_path)
     url, ingest = await procs.ingest_server(receiver_dsn, store)
-    consumer = procs.consumer(backend_dsn, url, local, "consumer")
+    consumer = procs.upload_consumer(backend_dsn, url, local, "consumer")
     # Warm up: one small upload runs every code path once, then the peak so far is the baseline.
     small = await make_recording(backend_dsn, local)
     await wait_uploaded(backend_dsn, small.recording_id, timeout=20)
@@ -477,13 +499,7 @@ async def test_uploads_run_two_at_a_time_and_the_offset_waits_for_the_slowest(
     async with recording_receiver(receiver_dsn, store) as receiver:
         made = [await make_recording(backend_dsn, local) for _ in range(6)]
         receiver.log.hold_all = True
-        settings = make_settings(
-            backend_dsn,
-            receiver.url,
-            RECORDINGS_DIR=str(local),
-            SYNC_SHARED_SECRET=SECRET,
-            SYNC_UPLOAD_CONCURRENCY=2,
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local, SYNC_UPLOAD_CONCURRENCY=2)
         async with running_consumer(settings, CONSUMER) as runtime:
             await wait_until(lambda: len(receiver.log.waiting) >= 2, what="two uploads held")
             assert len(receiver.log.waiting) == 2
@@ -539,9 +555,7 @@ async def test_deleted_rows_settled_rows_and_other_events_are_skipped(
         await execute(backend_dsn, "UPDATE call_logs SET callee_number = '0000'")
         before = snapshot(local)
 
-        settings = make_settings(
-            backend_dsn, receiver.url, RECORDINGS_DIR=str(local), SYNC_SHARED_SECRET=SECRET
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local)
         async with running_consumer(settings, CONSUMER) as runtime:
             await wait_offset_at_end(backend_dsn)
             assert runtime.stats.failed_deliveries == 0
@@ -568,9 +582,7 @@ async def test_a_parked_missing_file_is_retried_from_the_cli_once_it_is_in_place
     async with recording_receiver(receiver_dsn, store) as receiver:
         recording = await make_recording(backend_dsn, local, write_files=False)
         rid = recording.recording_id
-        settings = make_settings(
-            backend_dsn, receiver.url, RECORDINGS_DIR=str(local), SYNC_SHARED_SECRET=SECRET
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local)
         async with running_consumer(settings, CONSUMER):
             await wait_offset_at_end(backend_dsn)
         message = (await parked(backend_dsn))[rid]
@@ -623,13 +635,7 @@ async def test_a_vanished_recordings_dir_is_retried_not_parked(
     local, store = dirs(tmp_path)
     away = tmp_path / "unmounted"
     async with recording_receiver(receiver_dsn, store) as receiver:
-        settings = make_settings(
-            backend_dsn,
-            receiver.url,
-            RECORDINGS_DIR=str(local),
-            SYNC_SHARED_SECRET=SECRET,
-            SYNC_MAX_ATTEMPTS=0,
-        )
+        settings = upload_settings(backend_dsn, receiver.url, local, SYNC_MAX_ATTEMPTS=0)
         async with running_consumer(settings, CONSUMER) as runtime:
             await wait_until(lambda: runtime.stats.is_leader, what="the consumer leading")
             local.rename(away)

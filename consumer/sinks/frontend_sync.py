@@ -6,12 +6,12 @@ import aiohttp
 
 from consumer.events import Batch, DeliveryError
 from consumer.signing import sign
-from consumer.sinks.http import client_session, client_span, raise_for_outcome
+from consumer.sinks.http import HttpSink, client_span, raise_for_outcome
 
 INGEST_PATH = "/api/ingest/sync"
 
 
-class FrontendSyncSink:
+class FrontendSyncSink(HttpSink):
     """Delivers a batch in one request: {"entries": [...]} (see docs/wire-contract.md)."""
 
     name = "frontend-sync"
@@ -19,24 +19,12 @@ class FrontendSyncSink:
     def __init__(
         self, base_url: str, *, timeout_sec: float, shared_secret: str | None = None
     ) -> None:
+        super().__init__(timeout_sec)
         self.url = base_url.rstrip("/") + INGEST_PATH
-        self._timeout = timeout_sec
         self._secret = shared_secret
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        """Open the HTTP session."""
-        self._session = client_session(self._timeout)
-
-    async def close(self) -> None:
-        """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def deliver(self, batch: Batch) -> str | None:
         """POST the batch; any non-2xx answer, timeout or network error is a DeliveryError."""
-        assert self._session is not None, "start() first"
         # The batch's entries already are the wire format: wrap them without parsing.
         body = b'{"entries":' + batch.entries_json + b"}"
         headers = {
@@ -47,7 +35,7 @@ class FrontendSyncSink:
         }
         with client_span("POST", self.url, headers):
             try:
-                async with self._session.post(self.url, data=body, headers=headers) as response:
+                async with self.session.post(self.url, data=body, headers=headers) as response:
                     outcome = await raise_for_outcome(response, f"POST {self.url}")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise DeliveryError(

@@ -17,6 +17,31 @@ from consumer.instruments import tracer
 from consumer.redact import mask_secrets
 
 
+class HttpSink:
+    """The part every HTTP sink shares: one client session, opened by start(), closed by
+    close(), with the delivery timeout."""
+
+    def __init__(self, timeout_sec: float) -> None:
+        self._timeout = timeout_sec
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        """Open the HTTP session."""
+        self._session = client_session(self._timeout)
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The open session (start() first)."""
+        assert self._session is not None, "start() first"
+        return self._session
+
+
 def client_session(timeout_sec: float) -> aiohttp.ClientSession:
     """A session with the delivery timeout and a connection pool sized for one consumer."""
     return aiohttp.ClientSession(

@@ -25,7 +25,7 @@ from consumer import failpoints
 from consumer.events import Batch, DeliveryError
 from consumer.recordings import PENDING, UPLOADED, RecordingLedger, RecordingRow
 from consumer.signing import recording_file_message, sign
-from consumer.sinks.http import client_session, client_span, raise_for_outcome
+from consumer.sinks.http import HttpSink, client_span, raise_for_outcome
 from consumer.sinks.local_recordings import (
     FilesState,
     LocalRecording,
@@ -73,7 +73,7 @@ class _Refusal:
     at: float
 
 
-class RecordingUploadSink:
+class RecordingUploadSink(HttpSink):
     """Uploads the recordings of a batch, a bounded number at a time."""
 
     name = "recording-upload"
@@ -88,24 +88,13 @@ class RecordingUploadSink:
         shared_secret: str | None = None,
         concurrency: int = 4,
     ) -> None:
+        super().__init__(timeout_sec)
         self.url = base_url.rstrip("/") + UPLOAD_PATH
         self.ledger = ledger
         self.recordings = recordings
-        self._timeout = timeout_sec
         self._secret = shared_secret
         self._slots = asyncio.Semaphore(concurrency)
-        self._session: aiohttp.ClientSession | None = None
         self._refusals: dict[str, _Refusal] = {}
-
-    async def start(self) -> None:
-        """Open the HTTP session."""
-        self._session = client_session(self._timeout)
-
-    async def close(self) -> None:
-        """Close the HTTP session."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def deliver(self, batch: Batch) -> None:
         """Handle every pending recording of the batch; the batch is done when all are.
@@ -218,7 +207,6 @@ class RecordingUploadSink:
         self, row: RecordingRow, local: LocalRecording, prepared: PreparedUpload
     ) -> str:
         """POST the recording; the fileUrl the receiver keeps it at."""
-        assert self._session is not None, "start() first"
         headers = {
             "Idempotency-Key": f"{self.name}:{row.id}",
             **sign(
@@ -249,7 +237,7 @@ class RecordingUploadSink:
                 "meta", prepared.meta_json, filename="meta.json", content_type="application/json"
             )
             with client_span("POST", self.url, headers):
-                async with self._session.post(
+                async with self.session.post(
                     self.url, data=form, headers=headers, timeout=timeout
                 ) as response:
                     await raise_for_outcome(response, f"POST {self.url}")
