@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import math
 import struct
 import uuid
-import wave
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +19,7 @@ import psycopg
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from consumer.demo import tone_wav
 from consumer.devdb import free_port
 from consumer.events import Position
 from consumer.receiver.app import Handler
@@ -34,19 +32,8 @@ CONSUMER = "recording-upload"
 
 
 def wav_bytes(seconds: float = 0.2, rate: int = 8000, tone_hz: float = 440.0) -> bytes:
-    """A short mono 16-bit PCM WAV: a sine tone."""
-    frames = int(seconds * rate)
-    samples = b"".join(
-        struct.pack("<h", int(12000 * math.sin(2 * math.pi * tone_hz * i / rate)))
-        for i in range(frames)
-    )
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(samples)
-    return buffer.getvalue()
+    """A short mono 16-bit PCM WAV: a sine tone (the demo's)."""
+    return tone_wav(tone_hz, seconds, rate)
 
 
 def write_large_wav(path: Path, size: int) -> None:

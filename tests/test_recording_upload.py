@@ -14,8 +14,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from consumer.events import Position
+from consumer.receiver.app import Handler
+from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles
 from consumer.settings import SyncSettings
 from consumer.sinks.local_recordings import RecordingsDir
 from tests.conftest import (
@@ -23,6 +26,7 @@ from tests.conftest import (
     fetch_all,
     make_settings,
     running_consumer,
+    serve_receiver,
     start_cli,
     wait_until,
 )
@@ -650,3 +654,54 @@ async def test_a_vanished_recordings_dir_is_retried_not_parked(
             await wait_offset_at_end(backend_dsn)
         assert receiver.log.count(recording.recording_id) == 1
     assert await parked(backend_dsn) == {}
+
+
+async def test_a_receiver_in_trouble_is_retried_and_nothing_is_deleted_on_its_word(
+    backend_dsn: str, receiver_dsn: str, tmp_path: Path
+) -> None:
+    # The receiver answers 503, then 200 with garbage, then 200 naming other bytes, then works.
+    # Only the last answer confirms the upload: until then the row stays pending, the local
+    # copy stays on disk, and nothing is parked (passing trouble is retried).
+    local, store = dirs(tmp_path)
+    answers = [
+        web.json_response({"error": {"code": "BUSY"}}, status=503),
+        web.Response(body=b"<html>proxy error</html>", content_type="text/html"),
+        web.json_response({"fileUrl": "http://x/y.wav", "sha256": "0" * 64, "size": 1}),
+    ]
+    seen: list[str] = []
+
+    @web.middleware
+    async def troubled(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path != UPLOAD_PATH:
+            return await handler(request)
+        if not answers:
+            seen.append("ok")
+            return await handler(request)
+        seen.append("trouble")
+        await request.read()
+        return answers.pop(0)
+
+    async with serve_receiver(
+        receiver_dsn,
+        recordings=RecordingFiles(store, max_bytes=MIB),
+        shared_secret=SECRET,
+        middlewares=[troubled],
+        shutdown_timeout=1.0,
+    ) as url:
+        recording = await make_recording(backend_dsn, local)
+        settings = upload_settings(backend_dsn, url, local, SYNC_RETRY_INITIAL_SEC=0.2)
+        async with running_consumer(settings, CONSUMER) as runtime:
+            await wait_until(lambda: len(seen) == 3, what="three troubled answers")
+            # Each trouble is seen before the next attempt: the local copy and the row are
+            # untouched in between (the backoff leaves time to look).
+            assert recording.folder.exists()
+            assert await recording_row(backend_dsn, recording.recording_id) == ("pending", None)
+            status = await wait_uploaded(backend_dsn, recording.recording_id)
+            await wait_until(lambda: not recording.folder.exists(), what="the folder deleted")
+            await wait_offset_at_end(backend_dsn)
+            assert runtime.stats.retries == 3
+    assert seen == ["trouble", "trouble", "trouble", "ok"]
+    assert status.startswith(url)
+    assert_kept_once(store, recording)
+    dead = await parked(backend_dsn)
+    assert dead == {}
