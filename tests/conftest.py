@@ -244,6 +244,12 @@ async def fetch_value(dsn: str, query: Any, params: Any = None) -> Any:
     return rows[0][0] if rows else None
 
 
+async def waiting_for_notify(dsn: str) -> bool:
+    """Some consumer is idle and has asked producers for a NOTIFY (sql/backend/0002). Until
+    then a commit sends none, so a test that counts wake-ups must wait for this first."""
+    return bool(await fetch_value(dsn, "SELECT bool_or(waiting) FROM sync.consumer_waits"))
+
+
 def cli_env(**variables: str) -> dict[str, str]:
     """This process's environment without any serversync setting, plus `variables`."""
     env = {

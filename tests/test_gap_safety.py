@@ -33,7 +33,7 @@ from consumer.store.admin import plan_reset
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import OutboxStore, ReadResult
 from consumer.wiring import open_pool
-from tests.conftest import Databases, fetch_all, fetch_value, wait_until
+from tests.conftest import Databases, fetch_all, fetch_value, wait_until, waiting_for_notify
 
 CONSUMER = "frontend-sync"
 UTC = "-c TimeZone=UTC"
@@ -773,13 +773,10 @@ async def test_lost_notify_during_listener_reconnect_is_caught_up(gap_dsn: str) 
     async with running_runtime(gap_dsn, sink, poll_interval=60.0) as runtime:
         listener = listener_of(runtime)
 
-        async def idle_and_waiting() -> bool:
-            # Producers NOTIFY only while a consumer says it waits (sql/backend/0002): before
-            # that, "before" would be read without any NOTIFY and the next wait would time out.
-            waiting = await fetch_value(gap_dsn, "SELECT bool_or(waiting) FROM sync.consumer_waits")
-            return bool(waiting)
-
-        await wait_until(idle_and_waiting, what="the idle consumer to wait for a NOTIFY")
+        # Before that, "before" would be read without any NOTIFY to wait for.
+        await wait_until(
+            lambda: waiting_for_notify(gap_dsn), what="the idle consumer to wait for a NOTIFY"
+        )
         await insert_call(gap_dsn, "before")
 
         def first_delivered_and_notified() -> bool:

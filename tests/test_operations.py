@@ -30,6 +30,7 @@ from tests.conftest import (
     running_consumer,
     start_cli,
     wait_until,
+    waiting_for_notify,
 )
 from tests.helpers_operations import (
     OPS_ENV,
@@ -107,6 +108,10 @@ async def test_metrics_follow_a_run_from_backlog_to_caught_up(
         process = procs.consumer(backend_dsn, receiver.url, SYNC_BATCH_SIZE=str(batch_size))
         ops = await process.ops_url()
         await wait_metric(http, ops, "serversync_leader", 1, consumer=CONSUMER)
+        # Idle, so that the inserts below wake it (and the wake-up is counted).
+        await wait_until(
+            lambda: waiting_for_notify(backend_dsn), what="the consumer to wait for a NOTIFY"
+        )
 
         # The first batch is held at the receiver: nothing is delivered yet.
         receiver.hold_next(1)
