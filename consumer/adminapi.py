@@ -168,11 +168,6 @@ async def retry_all(request: web.Request) -> web.Response:
     )
 
 
-async def healthz(request: web.Request) -> web.Response:
-    """The process is alive (no token needed)."""
-    return json_response({"status": "ok"})
-
-
 def add_dlq_routes(app: web.Application, service: DeadLetters) -> None:
     """Mount the DLQ routes on `app` (whose middlewares must include json_errors and
     bearer_auth)."""
@@ -183,13 +178,3 @@ def add_dlq_routes(app: web.Application, service: DeadLetters) -> None:
     app.router.add_delete("/api/v1/dlq/messages/{id}", delete_message)
     app.router.add_get("/api/v1/dlq/{consumer}", list_messages)
     app.router.add_post("/api/v1/dlq/{consumer}/retry-all", retry_all)
-
-
-def build_admin_app(service: DeadLetters, *, token: str) -> web.Application:
-    """The admin API alone, as its own aiohttp application (with /healthz)."""
-    if not token:
-        raise ValueError("the admin API needs a token")
-    app = web.Application(middlewares=[json_errors, bearer_auth(token)])
-    app.router.add_get("/healthz", healthz)
-    add_dlq_routes(app, service)
-    return app

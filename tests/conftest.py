@@ -11,9 +11,11 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psycopg
 import pytest
 from aiohttp import web
@@ -276,3 +278,28 @@ async def start_cli(*args: str, env: dict[str, str]) -> asyncio.subprocess.Proce
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+
+
+@dataclass(frozen=True)
+class CliResult:
+    """What one `serversync` process did."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+    def logs(self) -> list[dict[str, Any]]:
+        """The JSON log lines on stderr."""
+        return [orjson.loads(line) for line in self.stderr.splitlines() if line.startswith("{")]
+
+
+async def finish(process: asyncio.subprocess.Process, timeout: float = 60.0) -> CliResult:
+    """Wait for a started command; kill it and fail if it outlives `timeout`."""
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout=timeout)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"serversync still running after {timeout}s") from None
+    assert process.returncode is not None
+    return CliResult(process.returncode, out.decode(), err.decode())

@@ -214,18 +214,6 @@ async def seqs_by_caller(dsn: str) -> dict[str, int]:
 # -- `serversync ingest-server` as a process ------------------------------------------------------
 
 
-async def finish(process: asyncio.subprocess.Process, timeout: float) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr); kills the process and fails if it outlives `timeout`."""
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), timeout=timeout)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise AssertionError(f"serversync still running after {timeout}s") from None
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
-
-
 @contextlib.asynccontextmanager
 async def reaped(process: asyncio.subprocess.Process) -> AsyncIterator[None]:
     """Kill the process if the block leaves it running (a failed test)."""

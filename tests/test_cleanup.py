@@ -22,6 +22,7 @@ from consumer.events import Position
 from consumer.store import retention
 from consumer.store.retention import CleanupReport, parse_duration
 from tests.conftest import (
+    CliResult,
     cli_env,
     fetch_all,
     fetch_value,
@@ -29,7 +30,7 @@ from tests.conftest import (
     running_consumer,
     wait_until,
 )
-from tests.test_cli import CliResult, add_events, assert_ok, assert_one_line_error
+from tests.test_cli import add_events, assert_ok, assert_one_line_error
 from tests.test_cli import run_cli as run_cli_with
 
 CONSUMER = "frontend-sync"

@@ -26,10 +26,12 @@ from consumer import migrations
 from consumer.db import with_dbname
 from consumer.devdb import Server, free_port
 from tests.conftest import (
+    CliResult,
     Databases,
     cli_env,
     fetch_all,
     fetch_value,
+    finish,
     make_settings,
     running_consumer,
     serve_app,
@@ -43,31 +45,6 @@ OFFSETS_ROW = "SELECT * FROM sync.consumer_offsets WHERE consumer = 'frontend-sy
 
 
 # -- running the command -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CliResult:
-    """What one `serversync` process did."""
-
-    code: int
-    stdout: str
-    stderr: str
-
-    def logs(self) -> list[dict[str, Any]]:
-        """The JSON log lines on stderr."""
-        return [orjson.loads(line) for line in self.stderr.splitlines() if line.startswith("{")]
-
-
-async def finish(process: asyncio.subprocess.Process, timeout: float = 60.0) -> CliResult:
-    """Wait for a started command; kill it and fail if it outlives `timeout`."""
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), timeout=timeout)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise AssertionError(f"serversync still running after {timeout}s") from None
-    assert process.returncode is not None
-    return CliResult(process.returncode, out.decode(), err.decode())
 
 
 async def run_cli(*args: str, env: dict[str, str], timeout: float = 60.0) -> CliResult:

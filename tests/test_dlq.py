@@ -24,6 +24,7 @@ from consumer.devdb import free_port
 from consumer.settings import SyncSettings
 from consumer.wiring import consumer_runtime, serve_ops_http
 from tests.conftest import (
+    CliResult,
     cli_env,
     fetch_all,
     make_settings,
@@ -33,7 +34,6 @@ from tests.conftest import (
 )
 from tests.helpers_processes import Processes, insert_callers
 from tests.test_cli import (
-    CliResult,
     assert_ok,
     assert_one_line_error,
     run_cli,

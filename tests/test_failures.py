@@ -41,6 +41,7 @@ from tests.conftest import (
     cli_env,
     fetch_all,
     fetch_value,
+    finish,
     make_settings,
     running_consumer,
     start_cli,
@@ -55,7 +56,6 @@ from tests.helpers_failures import (
     Reply,
     committed_position,
     dlq,
-    finish,
     leaks,
     reaped,
     seqs_by_caller,
@@ -648,7 +648,8 @@ async def test_a_consumer_with_a_wrong_secret_gets_401_and_parks_every_event(
 async def test_ingest_server_refuses_to_start_without_a_shared_secret(receiver_dsn: str) -> None:
     port = free_port()
     env = cli_env(FRONTEND_DATABASE_URL=receiver_dsn, INGEST_PORT=str(port))
-    code, out, err = await finish(await start_cli("ingest-server", env=env), timeout=30)
+    result = await finish(await start_cli("ingest-server", env=env), timeout=30)
+    code, out, err = result.code, result.stdout, result.stderr
     assert code == 1, err
     assert "Traceback" not in err
     lines = err.strip().splitlines()
@@ -663,7 +664,7 @@ async def _healthy(
 ) -> bool:
     """GET /healthz answers 200; fails at once if the process has exited."""
     if process.returncode is not None:
-        _, _, err = await finish(process, timeout=5)
+        err = (await finish(process, timeout=5)).stderr
         raise AssertionError(f"ingest-server exited with {process.returncode}: {err}")
     try:
         async with session.get(url + "/healthz") as response:
@@ -699,7 +700,8 @@ async def test_ingest_server_starts_serves_and_stops_on_sigterm(
             status, _, _ = await post_signed(session, url, signed, signing.sign(SECRET, signed))
             assert status == 200
         process.send_signal(signal.SIGTERM)
-        code, _, err = await finish(process, timeout=15)
+        stopped = await finish(process, timeout=15)
+    code, err = stopped.code, stopped.stderr
     assert code == 0, err
     assert "Traceback" not in err
     rows = await fetch_all(receiver_dsn, "SELECT entity_id FROM ingest.entities")

@@ -24,6 +24,7 @@ from consumer.sinks.local_recordings import RecordingsDir
 from tests.conftest import (
     cli_env,
     fetch_all,
+    finish,
     make_settings,
     running_consumer,
     serve_receiver,
@@ -52,7 +53,7 @@ from tests.helpers_recordings import (
     wav_bytes,
     write_large_wav,
 )
-from tests.test_cli import assert_one_line_error, finish
+from tests.test_cli import assert_one_line_error
 
 AFTER_UPLOAD = "recording-upload.after-upload=kill"
 AFTER_MARK = "recording-upload.after-mark=kill"

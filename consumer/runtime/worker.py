@@ -60,7 +60,6 @@ class RuntimeConfig:
 class RuntimeStats:
     """What the loop did so far: for status, metrics and tests."""
 
-    is_leader: bool = False
     epoch: int | None = None
     position: Position | None = None
     delivered_events: int = 0
@@ -79,6 +78,11 @@ class RuntimeStats:
     # starting, standby (another process leads; the database answers), leader,
     # database_unreachable, stopped: what /readyz reports.
     state: str = "starting"
+
+    @property
+    def is_leader(self) -> bool:
+        """This process leads its consumer right now."""
+        return self.state == "leader"
 
 
 class ConsumerRuntime:
@@ -127,7 +131,8 @@ class ConsumerRuntime:
                         raise
                     log.info("consumer %s: database unreachable while stopping", self.consumer)
                 finally:
-                    self.stats.is_leader = False
+                    # Lead lost or given up: competing again (or stopping) from here on.
+                    self.stats.state = "standby"
                     instruments.LEADER.set(0, self._labels)
                     await self._teardown("releasing the leader lock", self.lock.release)
         finally:
@@ -180,7 +185,7 @@ class ConsumerRuntime:
         self._lost.clear()
         leadership = await self._with_db_retry(lambda: self.store.take_leadership(self.consumer))
         epoch, position = leadership.epoch, leadership.position
-        self.stats.is_leader, self.stats.epoch, self.stats.position = True, epoch, position
+        self.stats.epoch, self.stats.position = epoch, position
         self.stats.state = "leader"
         instruments.LEADER.set(1, self._labels)
         self.stats.takeovers += 1
