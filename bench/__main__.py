@@ -81,6 +81,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             figures["in_database"] = await drain.in_database_ceiling(env)
             progress("drain: (b) plain Python loop")
             figures["python_loop"] = await drain.python_loop(env, args.batch_size)
+            progress("drain: (c) Python read-only walk")
+            figures["read_walk"] = await drain.read_walk(env, args.batch_size)
             timeout = max(120.0, events / 5_000)
             progress("drain: frontend-sync through HTTP into the receiver")
             figures["product_http"] = await drain.product(env, args.batch_size, "http", timeout)
@@ -93,6 +95,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 "null_to_in_database": round(
                     figures["product_null"]["events_per_sec"]
                     / figures["in_database"]["events_per_sec"],
+                    3,
+                ),
+                "null_to_read_walk": round(
+                    figures["product_null"]["events_per_sec"]
+                    / figures["read_walk"]["events_per_sec"],
                     3,
                 ),
             }
@@ -130,10 +137,13 @@ def _summary(result: dict[str, Any]) -> str:
         for key, label in (
             ("in_database", "in-database ceiling"),
             ("python_loop", "Python loop"),
+            ("read_walk", "Python read-only walk"),
             ("product_http", "frontend-sync (HTTP)"),
             ("product_null", "runtime, null sink"),
         ):
-            f = d[key]
+            f = d.get(key)
+            if f is None:  # a result file from before this reference existed
+                continue
             extra = ""
             if "consumer_peak_rss_mb" in f:
                 extra = f"  consumer peak RSS {f['consumer_peak_rss_mb']} MB"

@@ -2,7 +2,9 @@
 
 (a) the in-database ceiling: one INSERT ... SELECT ... ON CONFLICT from the outbox into a
     receiver-shaped table; (b) a plain Python loop (psycopg, batch 1000) reading the outbox and
-    upserting into the receiver's table with executemany, committing an offset per batch.
+    upserting into the receiver's table with executemany, committing an offset per batch;
+(c) a Python read-only walk of the outbox (the same read, rows fetched and dropped): the floor
+    of any Python consumer's read path, which the runtime with a null sink is held against.
 """
 
 from __future__ import annotations
@@ -107,6 +109,32 @@ async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
         "seconds": seconds,
         "events_per_sec": events / seconds,
     }
+
+
+async def read_walk(env: BenchEnv, batch_size: int) -> dict[str, Any]:
+    """Reference (c): read the whole outbox in batches, fetching every column, doing nothing."""
+    conn = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
+    events = 0
+    position = Position.start()
+    async with conn:
+        started = time.perf_counter()
+        while True:
+            cur = await conn.execute(
+                "SELECT o.txid::text, o.seq, o.op, o.entity_type, o.entity_id, o.payload::text,"
+                " o.created_at FROM sync.events_outbox o WHERE (o.txid, o.seq) > (%s::xid8, %s)"
+                " AND o.txid < pg_snapshot_xmin(pg_current_snapshot())"
+                " ORDER BY o.txid, o.seq LIMIT %s",
+                (str(position.txid), position.seq, batch_size),
+                prepare=True,
+                binary=True,
+            )
+            rows = await cur.fetchall()
+            if not rows:
+                break
+            position = Position(int(rows[-1][0]), rows[-1][1])
+            events += len(rows)
+        seconds = time.perf_counter() - started
+    return {"events": events, "seconds": seconds, "events_per_sec": events / seconds}
 
 
 async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> dict[str, Any]:

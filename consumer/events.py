@@ -1,7 +1,8 @@
 """The shared vocabulary of the outbox: positions and batches of events.
 
-A batch keeps its entries as one JSON array, built by PostgreSQL in the wire format of the ingest
-API, so delivering a batch costs no Python object per event. A sink that needs single events
+A batch keeps its entries as one JSON array in the wire format of the ingest API, written once
+when the batch is read (each payload is the outbox's own json text), so delivering a batch
+costs no further Python object per event. A sink that needs single events
 parses it (`Batch.entries()`).
 """
 

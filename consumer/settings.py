@@ -80,6 +80,8 @@ class SyncSettings(_Base):
     recordings_dir: Path = Field(Path("storage/recordings"), validation_alias="RECORDINGS_DIR")
     # recording-upload: uploads in flight at once (the offset still moves in order).
     upload_concurrency: int = Field(4, ge=1, le=64, validation_alias="SYNC_UPLOAD_CONCURRENCY")
+    # frontend-sync: batches delivered at once while a backlog drains (offsets move in order).
+    max_in_flight: int = Field(2, ge=1, le=16, validation_alias="SYNC_MAX_IN_FLIGHT")
 
     @property
     def frontend_url(self) -> str:

@@ -109,7 +109,7 @@ def make_sink(
     raise StartupError(f"unknown consumer {consumer!r} (known: {', '.join(CONSUMERS)})")
 
 
-def runtime_config(settings: SyncSettings) -> RuntimeConfig:
+def runtime_config(settings: SyncSettings, consumer: str = "frontend-sync") -> RuntimeConfig:
     """The loop's knobs from the settings."""
     return RuntimeConfig(
         batch_size=settings.batch_size,
@@ -122,6 +122,8 @@ def runtime_config(settings: SyncSettings) -> RuntimeConfig:
         linger=settings.linger_ms / 1000,
         max_attempts=settings.max_attempts,
         dlq_max_retries=settings.dlq_max_retries,
+        # recording-upload runs SYNC_UPLOAD_CONCURRENCY uploads inside one batch instead.
+        max_in_flight=1 if consumer == "recording-upload" else settings.max_in_flight,
     )
 
 
@@ -165,7 +167,7 @@ async def consumer_runtime(
             sink=make_sink(consumer, settings, sink, pool=pool),
             lock=LeaderLock(dsn, consumer),
             listener=NotifyListener(dsn, consumer) if settings.listen else None,
-            config=runtime_config(settings),
+            config=runtime_config(settings, consumer),
         )
 
 

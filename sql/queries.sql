@@ -8,37 +8,29 @@
 -- running when the snapshot was taken (xmin < xmax): rows it or a younger one committed may be
 -- waiting behind the horizon, and nothing will notify when an unrelated transaction ends, so the
 -- caller re-checks soon instead of waiting for the poll timer.
+--
+-- One row per event, in delivery order, each carrying held_back; with no event, one row of
+-- NULLs that still carries it. The LATERAL subquery refers to the horizon, so PostgreSQL can only
+-- run it as a nested loop under the horizon's single row, and the rows come out in the index
+-- order of the subquery: an ORDER BY out here would sort the batch a second time for nothing.
+-- The entries are not built here as JSON: string_agg over the concatenated entry text cost
+-- more in the server than fetching plain rows and letting orjson write them
+-- (consumer/store/outbox.py; measured in bench/, see the README's Performance section).
 WITH horizon AS MATERIALIZED (
-    SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmax(s) AS xmax
+    SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmin(s) < pg_snapshot_xmax(s) AS held_back
     FROM pg_current_snapshot() AS s
-), batch AS MATERIALIZED (
+)
+SELECT h.held_back, b.txid::text, b.seq, b.op, b.entity_type, b.entity_id, b.payload::text,
+       b.created_at
+FROM horizon h
+LEFT JOIN LATERAL (
     SELECT o.txid, o.seq, o.op, o.entity_type, o.entity_id, o.payload, o.created_at
     FROM sync.events_outbox o
     WHERE (o.txid, o.seq) > (%(txid)s::xid8, %(seq)s::bigint)
-      AND o.txid < (SELECT xmin FROM horizon)
+      AND o.txid < h.xmin
     ORDER BY o.txid, o.seq
     LIMIT %(limit)s
-)
-SELECT
-    count(*) AS n,
-    (array_agg(b.txid ORDER BY b.txid DESC, b.seq DESC))[1]::text AS last_txid,
-    (array_agg(b.seq ORDER BY b.txid DESC, b.seq DESC))[1] AS last_seq,
-    min(b.seq) AS min_seq,
-    max(b.seq) AS max_seq,
-    min(b.created_at) AS oldest_created_at,
-    -- The wire format, built by concatenation: several times cheaper than json_agg over
-    -- json_build_object, and exact: identifiers and ids go through to_json, the payload is the
-    -- json text the relay stored (sql/backend/0004), op is constrained to two safe words.
-    convert_to('[' || coalesce(string_agg(
-        '{"entityType":' || to_json(b.entity_type)::text
-        || ',"entityId":' || to_json(b.entity_id)::text
-        || ',"op":"' || b.op
-        || '","seq":' || b.seq
-        || ',"payload":' || b.payload::text
-        || ',"createdAt":' || to_json(b.created_at)::text || '}',
-        ',' ORDER BY b.txid, b.seq), '') || ']', 'UTF8') AS entries,
-    (SELECT xmin < xmax FROM horizon) AS held_back
-FROM batch b;
+) b ON true;
 
 -- name: ensure_consumer
 INSERT INTO sync.consumer_offsets (consumer) VALUES (%(consumer)s)

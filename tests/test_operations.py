@@ -105,7 +105,10 @@ async def test_metrics_follow_a_run_from_backlog_to_caught_up(
 ) -> None:
     events, batch_size = 40, 10
     async with serve_fault_receiver() as receiver:
-        process = procs.consumer(backend_dsn, receiver.url, SYNC_BATCH_SIZE=str(batch_size))
+        # One batch in flight: while the first is held, nothing at all is delivered.
+        process = procs.consumer(
+            backend_dsn, receiver.url, SYNC_BATCH_SIZE=str(batch_size), SYNC_MAX_IN_FLIGHT="1"
+        )
         ops = await process.ops_url()
         await wait_metric(http, ops, "serversync_leader", 1, consumer=CONSUMER)
         # Idle, so that the inserts below wake it (and the wake-up is counted).

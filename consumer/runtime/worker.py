@@ -8,6 +8,7 @@ older open transaction holds the read horizon back, a short re-check timer.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -54,6 +55,8 @@ class RuntimeConfig:
     max_attempts: int = 8
     # How often an operator may retry a parked event before it is DEAD.
     dlq_max_retries: int = 3
+    # Batches being delivered at once while a backlog drains; offsets still move in order.
+    max_in_flight: int = 1
 
 
 @dataclass
@@ -83,6 +86,16 @@ class RuntimeStats:
     def is_leader(self) -> bool:
         """This process leads its consumer right now."""
         return self.state == "leader"
+
+
+@dataclass
+class _InFlight:
+    """A batch being settled in its own task; committed in read order by the loop."""
+
+    batch: Batch
+    span: trace.Span
+    started: float
+    task: asyncio.Task[list[DeadLetter] | None]
 
 
 class ConsumerRuntime:
@@ -227,15 +240,20 @@ class ConsumerRuntime:
     async def _drain_loop(self, epoch: int, position: Position) -> None:
         """Read, deliver, commit; when reads come back empty, announce that we wait, then sleep.
 
-        While a full batch is being delivered the next one is already read (pipelining). The
-        relay sends NOTIFY only while a consumer is marked waiting (sql/backend/0002). After an
-        empty read we first linger briefly and read again; only if that read is empty too do we
-        mark ourselves waiting, read once more (a commit may have raced the mark), and sleep. A
-        consumer under steady load therefore never marks itself waiting and costs producers no
-        NOTIFY at all; an idle one is woken at once. The mark is cleared as soon as a read finds
-        events again.
+        While a backlog drains, the next batch is read while earlier ones are delivered
+        (pipelining), and up to `max_in_flight` batches are delivered at once; their offsets are
+        committed strictly in order, so the stored position never passes an unsettled batch.
+        A short batch ends the read-ahead: everything in flight is settled before reading again.
+
+        The relay sends NOTIFY only while a consumer is marked waiting (sql/backend/0002). After
+        an empty read we first linger briefly and read again; only if that read is empty too do
+        we mark ourselves waiting, read once more (a commit may have raced the mark), and sleep.
+        A consumer under steady load therefore never marks itself waiting and costs producers
+        no NOTIFY at all; an idle one is woken at once. The mark is cleared as soon as a read
+        finds events again.
         """
         limit = self.config.batch_size
+        window = max(1, self.config.max_in_flight)
         listening = self.listener is not None
         wakeup = self.listener.event if self.listener is not None else asyncio.Event()
         reconnects = self.listener.reconnects if self.listener is not None else 0
@@ -246,6 +264,7 @@ class ConsumerRuntime:
             )
         lingered = False
         prefetch: asyncio.Task[ReadResult] | None = None
+        in_flight: collections.deque[_InFlight] = collections.deque()
         try:
             while not self.stop_event.is_set():
                 self._raise_if_lost()
@@ -256,6 +275,11 @@ class ConsumerRuntime:
                 prefetch = None
                 batch = result.batch
                 if batch is None:
+                    if in_flight:
+                        # A read-ahead found nothing new: settle what is out, then look again.
+                        if not await self._finish_all(in_flight, epoch):
+                            return
+                        continue
                     if listening and not waiting:
                         if not lingered:
                             lingered = True
@@ -275,21 +299,26 @@ class ConsumerRuntime:
                     self._count_wakeup(reason)
                     continue
                 lingered = False
-                if batch.count == limit:
-                    prefetch = asyncio.create_task(self.store.read_batch(batch.end, limit))
                 if waiting:
                     await self._with_db_retry(
                         functools.partial(self.store.set_waiting, self.consumer, False)
                     )
                     waiting = False
-                if not await self._deliver(batch, epoch):  # stopping, batch abandoned
-                    return
+                in_flight.append(self._start_delivery(batch, epoch))
                 position = batch.end
+                if batch.count == limit:
+                    prefetch = asyncio.create_task(self.store.read_batch(position, limit))
+                    while len(in_flight) >= window:
+                        if not await self._finish(in_flight.popleft(), epoch):
+                            return
+                elif not await self._finish_all(in_flight, epoch):
+                    return
         finally:
             if prefetch is not None:
                 prefetch.cancel()
                 with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
                     await prefetch
+            await self._abandon(in_flight)
             if waiting:
                 # A stopped consumer waits for nothing: left set, the flag would make every
                 # producer transaction send a NOTIFY until the consumer came back.
@@ -313,13 +342,9 @@ class ConsumerRuntime:
         wakeup.clear()
         return await self._with_db_retry(functools.partial(self.store.read_batch, position, limit))
 
-    async def _deliver(self, batch: Batch, epoch: int) -> bool:
-        """Settle the batch (deliver it, parking what cannot be delivered), then commit.
-
-        False if stopped before the batch was settled: it is delivered again later.
-        """
-        started = time.monotonic()
-        with instruments.tracer.start_as_current_span(
+    def _start_delivery(self, batch: Batch, epoch: int) -> _InFlight:
+        """Start settling `batch` in a task of its own, inside the batch's span."""
+        span = instruments.tracer.start_span(
             f"{self.consumer} deliver batch",
             attributes={
                 "serversync.consumer": self.consumer,
@@ -327,35 +352,75 @@ class ConsumerRuntime:
                 "serversync.batch.min_seq": batch.min_seq,
                 "serversync.batch.max_seq": batch.max_seq,
             },
-        ) as span:
-            parked = await self._settle(batch, epoch)
-            if parked is None:
-                span.set_attribute("serversync.outcome", "abandoned")
+        )
+
+        async def settle() -> list[DeadLetter] | None:
+            with trace.use_span(span, end_on_exit=False, record_exception=False):
+                return await self._settle(batch, epoch)
+
+        task = asyncio.create_task(settle(), name=f"deliver:{self.consumer}:{batch.seq_range}")
+        return _InFlight(batch, span, time.monotonic(), task)
+
+    async def _finish_all(self, in_flight: collections.deque[_InFlight], epoch: int) -> bool:
+        """Settle and commit everything in flight, oldest first; False if stopped first."""
+        while in_flight:
+            if not await self._finish(in_flight.popleft(), epoch):
                 return False
-            await self._commit(batch, epoch, parked)
-            duration = time.monotonic() - started
-            outcome = "parked" if parked else "delivered"
-            span.set_attribute("serversync.outcome", outcome)
-            instruments.BATCH_SIZE.record(batch.count, self._labels)
-            instruments.BATCH_DURATION.record(duration, self._labels)
-            log.info(
-                "consumer %s: %s %d events seq %s in %.1f ms (%d parked)",
-                self.consumer,
-                outcome,
-                batch.count - len(parked),
-                batch.seq_range,
-                duration * 1000,
-                len(parked),
-                extra={
-                    "consumer": self.consumer,
-                    "seq_range": batch.seq_range,
-                    "events": batch.count,
-                    "parked": len(parked),
-                    "outcome": outcome,
-                    "duration_ms": round(duration * 1000, 3),
-                },
-            )
         return True
+
+    async def _finish(self, delivery: _InFlight, epoch: int) -> bool:
+        """Wait for the oldest batch in flight to settle, then commit it (parking what could not
+        be delivered). False if stopped before the batch was settled: it is delivered again
+        later, and so is everything after it."""
+        batch, span = delivery.batch, delivery.span
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                parked = await delivery.task
+                if parked is None:
+                    span.set_attribute("serversync.outcome", "abandoned")
+                    return False
+                await self._commit(batch, epoch, parked)
+                self._report(delivery, parked)
+        finally:
+            span.end()
+        return True
+
+    def _report(self, delivery: _InFlight, parked: list[DeadLetter]) -> None:
+        """Span outcome, metrics and the one log line of a committed batch."""
+        batch = delivery.batch
+        duration = time.monotonic() - delivery.started
+        outcome = "parked" if parked else "delivered"
+        delivery.span.set_attribute("serversync.outcome", outcome)
+        instruments.BATCH_SIZE.record(batch.count, self._labels)
+        instruments.BATCH_DURATION.record(duration, self._labels)
+        log.info(
+            "consumer %s: %s %d events seq %s in %.1f ms (%d parked)",
+            self.consumer,
+            outcome,
+            batch.count - len(parked),
+            batch.seq_range,
+            duration * 1000,
+            len(parked),
+            extra={
+                "consumer": self.consumer,
+                "seq_range": batch.seq_range,
+                "events": batch.count,
+                "parked": len(parked),
+                "outcome": outcome,
+                "duration_ms": round(duration * 1000, 3),
+            },
+        )
+
+    async def _abandon(self, in_flight: collections.deque[_InFlight]) -> None:
+        """Cancel deliveries that will not be committed (stop, lost lead, error)."""
+        for delivery in in_flight:
+            delivery.task.cancel()
+        for delivery in in_flight:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await delivery.task
+            delivery.span.set_attribute("serversync.outcome", "abandoned")
+            delivery.span.end()
+        in_flight.clear()
 
     async def _settle(self, batch: Batch, epoch: int) -> list[DeadLetter] | None:
         """Deliver `batch`; the entries to park, or None if a stop came first.

@@ -54,23 +54,36 @@ class OutboxStore:
                 query("read_batch"),
                 {"txid": str(after.txid), "seq": after.seq, "limit": limit},
                 prepare=True,
-                # Binary results: the batch arrives as raw bytes, not hex-encoded text.
                 binary=True,
             )
-            row = await cur.fetchone()
-        assert row is not None
-        n, last_txid, last_seq, min_seq, max_seq, oldest, entries, held_back = row
-        if n == 0:
-            return ReadResult(None, bool(held_back))
+            rows = await cur.fetchall()
+        held_back = bool(rows[0][0])
+        if rows[0][1] is None:
+            return ReadResult(None, held_back)
+        last = rows[-1]
+        seqs = [row[2] for row in rows]
         batch = Batch(
-            count=n,
-            end=Position(int(last_txid), last_seq),
-            min_seq=min_seq,
-            max_seq=max_seq,
-            oldest_created_at=oldest,
-            entries_json=bytes(entries),
+            count=len(rows),
+            end=Position(int(last[1]), last[2]),
+            min_seq=min(seqs),
+            max_seq=max(seqs),
+            oldest_created_at=min(row[7] for row in rows),
+            entries_json=orjson.dumps(
+                [
+                    {
+                        "entityType": row[4],
+                        "entityId": row[5],
+                        "op": row[3],
+                        "seq": row[2],
+                        # The json text the relay stored, passed through unparsed.
+                        "payload": orjson.Fragment(row[6]),
+                        "createdAt": row[7],
+                    }
+                    for row in rows
+                ]
+            ),
         )
-        return ReadResult(batch, bool(held_back))
+        return ReadResult(batch, held_back)
 
     async def ensure_consumer(self, consumer: str) -> None:
         """Register the consumer at the start of the outbox unless it exists."""
