@@ -41,7 +41,7 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
     figures = orjson.loads((tmp_path / "smoke.json").read_bytes())
     drain = figures["drain"]
     assert drain["events"] == 3000
-    for key in ("in_database", "python_loop", "product_http", "product_null"):
+    for key in ("in_database", "python_loop", "read_walk", "product_http", "product_null"):
         assert drain[key]["events_per_sec"] > 0
     assert drain["product_http"]["consumer_peak_rss_mb"] > 0
     assert {run["mode"] for run in figures["latency"]} == {"notify", "poll-only"}
