@@ -58,9 +58,7 @@ async def _prepare(env: BenchEnv) -> None:
     await execute(env.backend, "SELECT sync.track('public.bench_tracked', 'bench_item')")
 
 
-def _pgbench(
-    env: BenchEnv, table: str, seconds: int, clients: int, notify: str, *, durable: bool = False
-) -> float:
+def _pgbench(env: BenchEnv, table: str, seconds: int, clients: int, notify: str) -> float:
     params = conninfo.conninfo_to_dict(env.backend)
     folder: Path = env.workdir
     (folder / f"insert_{table}.sql").write_text(INSERT_SCRIPT.format(table=table))
@@ -92,8 +90,7 @@ def _pgbench(
         text=True,
         check=False,
         env={
-            "PGOPTIONS": f"-c sync.notify={notify}"
-            + (" -c synchronous_commit=on" if durable else ""),
+            "PGOPTIONS": f"-c sync.notify={notify}",
             "PATH": "/usr/bin:/bin",
             **({"PGPASSWORD": str(params["password"])} if "password" in params else {}),
         },
@@ -104,15 +101,13 @@ def _pgbench(
     return float(match.group(1))
 
 
-async def _durable(env: BenchEnv, on: bool) -> None:
-    """Switch the private cluster between its bench settings and durable ones (reloadable)."""
-    value = "on" if on else "off"
-    for setting in ("fsync", "full_page_writes"):
-        await execute(
-            env.server.dsn,
-            sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(setting), sql.Literal(value)),
-        )
-    await execute(env.server.dsn, "SELECT pg_reload_conf()")
+def _durable(env: BenchEnv, on: bool) -> None:
+    """Restart the private cluster with PostgreSQL's crash-safe defaults, or without them
+    (fsync and friends are set on its command line, which no reload can override)."""
+    cluster = env.server.cluster
+    assert cluster is not None
+    cluster.durable = on
+    cluster.restart()
 
 
 async def run_producer(env: BenchEnv, *, seconds: int, clients: int = 8) -> dict[str, Any]:
@@ -136,7 +131,7 @@ async def run_producer(env: BenchEnv, *, seconds: int, clients: int = 8) -> dict
         ]
     for name, table, notify, with_consumer in modes:
         if name == "durable_untracked":
-            await _durable(env, True)
+            _durable(env, True)
         consumer = None
         if with_consumer:
             consumer = start_service(
@@ -150,15 +145,13 @@ async def run_producer(env: BenchEnv, *, seconds: int, clients: int = 8) -> dict
             )
         try:
             progress(f"  producer: {name} for {seconds}s at {clients} connections")
-            figures[name] = _pgbench(
-                env, table, seconds, clients, notify, durable=name.startswith("durable_")
-            )
+            figures[name] = _pgbench(env, table, seconds, clients, notify)
         finally:
             if consumer is not None:
                 consumer.stop()
         await execute(env.backend, "VACUUM ANALYZE")
     if durable:
-        await _durable(env, False)
+        _durable(env, False)
 
     def base(mode: str) -> float:
         return figures["durable_untracked" if mode.startswith("durable_") else "untracked"]

@@ -17,11 +17,12 @@ def application_name(role: str) -> str:
     return f"{APPLICATION_PREFIX}:{role}:{socket.gethostname()}:{os.getpid()}"[:63]
 
 
-def connect_kwargs(role: str) -> dict[str, Any]:
-    """Options for every serversync connection: UTC timestamps and a telling application_name."""
+def connect_kwargs(role: str, *, synchronous_commit: bool = True) -> dict[str, Any]:
+    """Options for every serversync connection: UTC timestamps and a telling application_name;
+    `synchronous_commit=False` for a session whose commits may be lost in a server crash."""
     return {
         "application_name": application_name(role),
-        "options": "-c TimeZone=UTC",
+        "options": "-c TimeZone=UTC" + ("" if synchronous_commit else " -c synchronous_commit=off"),
         # Keepalives make a half-open TCP connection to a crashed server fail in seconds.
         "keepalives": 1,
         "keepalives_idle": 5,

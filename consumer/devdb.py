@@ -75,6 +75,9 @@ class PrivateCluster:
     bindir: Path
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="serversync-pg-")))
     port: int = field(default_factory=free_port)
+    # False: fsync, full_page_writes and synchronous_commit off (fast throwaway data); True:
+    # PostgreSQL's crash-safe defaults, as on a production server. Takes effect on (re)start.
+    durable: bool = False
 
     @property
     def datadir(self) -> Path:
@@ -115,10 +118,14 @@ class PrivateCluster:
 
     def start(self) -> None:
         """Start the server and wait until it accepts connections."""
+        durability = (
+            ""
+            if self.durable
+            else ("-c fsync=off -c synchronous_commit=off -c full_page_writes=off ")
+        )
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} "
-            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
-            "-c max_connections=200 -c shared_buffers=256MB"
+            f"{durability}-c max_connections=200 -c shared_buffers=256MB"
         )
         self._run(
             "pg_ctl",

@@ -129,7 +129,7 @@ def runtime_config(settings: SyncSettings, consumer: str = "frontend-sync") -> R
 
 @contextlib.asynccontextmanager
 async def open_pool(
-    dsn: str, role: str, *, max_size: int = 4
+    dsn: str, role: str, *, max_size: int = 4, synchronous_commit: bool = True
 ) -> AsyncIterator[AsyncConnectionPool[Any]]:
     """A psycopg pool for the hot path.
 
@@ -140,7 +140,10 @@ async def open_pool(
         dsn,
         min_size=1,
         max_size=max_size,
-        kwargs={"autocommit": True, **connect_kwargs(role)},
+        kwargs={
+            "autocommit": True,
+            **connect_kwargs(role, synchronous_commit=synchronous_commit),
+        },
         open=False,
         reconnect_timeout=0,
         timeout=30,
@@ -160,11 +163,23 @@ async def consumer_runtime(
     if consumer not in CONSUMERS:
         raise StartupError(f"unknown consumer {consumer!r} (known: {', '.join(CONSUMERS)})")
     dsn = settings.database_url
-    async with open_pool(dsn, f"run:{consumer}") as pool:
+    async with contextlib.AsyncExitStack() as stack:
+        # Offset commits do not wait for the WAL flush: one lost in a server crash only sends its
+        # batch again (at-least-once, as after any crash), and a busy consumer's flushes no
+        # longer queue with its producers' commits (bench/producer.py). Taking the lead still
+        # commits durably (OutboxStore.take_leadership), and so does the recording ledger.
+        pool = await stack.enter_async_context(
+            open_pool(dsn, f"run:{consumer}", synchronous_commit=False)
+        )
+        sink_pool = None
+        if consumer == "recording-upload" and sink != "null":
+            sink_pool = await stack.enter_async_context(
+                open_pool(dsn, f"run:{consumer}:ledger", max_size=settings.upload_concurrency)
+            )
         yield ConsumerRuntime(
             consumer,
             store=OutboxStore(pool),
-            sink=make_sink(consumer, settings, sink, pool=pool),
+            sink=make_sink(consumer, settings, sink, pool=sink_pool),
             lock=LeaderLock(dsn, consumer),
             listener=NotifyListener(dsn, consumer) if settings.listen else None,
             config=runtime_config(settings, consumer),

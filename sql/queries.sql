@@ -42,6 +42,11 @@ SELECT pg_try_advisory_lock(hashtext('serversync.consumer'), hashtext(%(consumer
 -- name: unlock_leader
 SELECT pg_advisory_unlock(hashtext('serversync.consumer'), hashtext(%(consumer)s)) AS unlocked;
 
+-- name: commit_durably
+-- Inside a transaction on a connection with synchronous_commit off: this commit waits for the
+-- WAL flush all the same.
+SET LOCAL synchronous_commit = on;
+
 -- name: take_leadership
 -- A new leader takes a new epoch; offset writes of any older epoch are refused from now on.
 UPDATE sync.consumer_offsets

@@ -457,6 +457,34 @@ async def test_sigterm_lets_the_batch_in_flight_finish(
     assert receiver.seen == 1
 
 
+async def test_sigterm_lets_every_batch_in_flight_finish_and_commits_them(
+    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+) -> None:
+    """Two batches out at once (SYNC_MAX_IN_FLIGHT=2), both slow: SIGTERM lets both finish and
+    commits both, so the next leader sends neither again."""
+    process = procs.consumer(
+        backend_dsn,
+        receiver.url,
+        SYNC_SHUTDOWN_TIMEOUT_SEC="5",
+        SYNC_BATCH_SIZE="30",
+        SYNC_MAX_IN_FLIGHT="2",
+    )
+    await wait_leader(backend_dsn, process)
+    receiver.slow[0] = receiver.slow[1] = 1.0
+    await insert_calls(backend_dsn, 60)
+    await wait_until(lambda: receiver.seen == 2, what="two batches in flight")
+    process.terminate()
+    assert await process.wait_exit(8) == 0
+    assert [r.outcome for r in receiver.requests] == ["ok", "ok"]
+    row = await offsets_row(backend_dsn)
+    assert row["position"] == await outbox_end(backend_dsn), "an answered batch was not committed"
+    assert "abandoned" not in process.log()
+    procs.consumer(backend_dsn, receiver.url, name="next")
+    await insert_calls(backend_dsn, 5, tag="later")
+    await wait_all_delivered(backend_dsn, receiver)
+    assert not receiver.duplicates()
+
+
 async def test_sigterm_abandons_a_batch_the_receiver_never_answers(
     backend_dsn: str, receiver: FaultReceiver, procs: Processes
 ) -> None:
@@ -607,3 +635,38 @@ async def test_sigterm_while_the_database_is_down(
         assert set(receiver.duplicates()) <= set(receiver.requests[1].seqs)
     else:
         assert not receiver.duplicates()
+
+
+@pytest.mark.private_cluster
+async def test_a_postgres_crash_mid_drain_loses_nothing_and_resends_only_its_last_moments(
+    private_cluster: PrivateCluster,
+    private_backend_dsn: str,
+    receiver: FaultReceiver,
+    procs: Processes,
+) -> None:
+    """PostgreSQL is killed (immediate stop: no shutdown checkpoint) while a backlog drains. The
+    consumer commits offsets without waiting for the WAL flush, so the crash may take back the
+    commits of its last moments: those batches are sent again, and nothing else is. PostgreSQL
+    flushes asynchronous commits within 3 x wal_writer_delay (0.6 s); the claim checked is that
+    every duplicate was first accepted less than a second before the crash."""
+    dsn = private_backend_dsn
+    await insert_calls(dsn, 4000, tag="backlog", transactions=40)
+    receiver.latency = (0.02, 0.03)  # a receiver that does some work: the drain takes a while
+    process = procs.consumer(dsn, receiver.url, SYNC_BATCH_SIZE="50")
+    await wait_until(lambda: receiver.seen >= 20, timeout=15, what="20 requests")
+    crashed = time.monotonic()
+    await asyncio.to_thread(private_cluster.stop, "immediate")
+    await asyncio.to_thread(private_cluster.start)
+    await insert_calls(dsn, 50, tag="after-crash")
+    await wait_all_delivered(dsn, receiver, timeout=60)
+    assert process.returncode is None, "the consumer died with the database"
+
+    first_accepted: dict[int, float] = {}
+    for request in receiver.requests:
+        if request.outcome == "ok":
+            for seq in request.seqs:
+                first_accepted.setdefault(seq, request.arrived)
+    duplicates = receiver.duplicates()
+    late = {seq: crashed - first_accepted[seq] for seq in duplicates}
+    print(f"{sum(duplicates.values())} duplicates; oldest {max(late.values(), default=0):.2f}s")
+    assert all(age < 1.0 for age in late.values()), sorted(late.values())[-5:]

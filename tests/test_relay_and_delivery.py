@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer, wait_until
 
@@ -164,3 +165,52 @@ async def test_changes_reach_the_receiver(
         backend_dsn, "SELECT last_seq FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
     )
     assert offset == 252
+
+
+async def test_the_generated_relay_writes_each_key_as_its_json_text(backend_dsn: str) -> None:
+    """sync.track writes a relay per table (sql/backend/0005) that reads the key straight from
+    the row: the entity id must still be the key's JSON text, as `payload ->> key` gives it, for
+    keys of any type and for column names that would end a dollar quote or an identifier."""
+    keys = {
+        "k_bigint": ("bigint", "42"),
+        "k_uuid": ("uuid", "'6f1c2b9e-0a4d-4c1e-9a57-1d2f3e4a5b6c'"),
+        "k_numeric": ("numeric", "1.50"),
+        "k_time": ("timestamptz", "'2026-01-02 03:04:05.5+09'"),
+        "k_text": ("text", "E'caf\\u00e9 \"quoted\" $body$'"),
+        'we$body$ird"id': ("text", "'odd-1'"),
+    }
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        for index, (column, (kind, value)) in enumerate(keys.items()):
+            table = f"keyed_{index}"
+            await conn.execute(
+                sql.SQL("CREATE TABLE {} ({} {} PRIMARY KEY, note text)").format(
+                    sql.Identifier(table), sql.Identifier(column), sql.SQL(kind)
+                )
+            )
+            await conn.execute(
+                "SELECT sync.track(%s::regclass, %s, %s)", (table, f"keyed{index}", column)
+            )
+            await conn.execute(
+                sql.SQL("INSERT INTO {} VALUES ({}, 'a')").format(
+                    sql.Identifier(table), sql.SQL(value)
+                )
+            )
+            await conn.execute(sql.SQL("UPDATE {} SET note = 'b'").format(sql.Identifier(table)))
+            await conn.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(table)))
+    for index, column in enumerate(keys):
+        events = await fetch_all(
+            backend_dsn,
+            "SELECT op, entity_id, payload ->> %s FROM sync.events_outbox "
+            "WHERE entity_type = %s ORDER BY seq",
+            (column, f"keyed{index}"),
+        )
+        assert [op for op, _, _ in events] == ["upsert", "upsert", "delete"], column
+        for _, entity_id, key_text in events:
+            assert key_text is not None, column
+            assert entity_id == key_text, column
+    async with await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True) as conn:
+        relays = "SELECT count(*) FROM pg_proc WHERE proname = 'relay_' || %s::regclass::oid"
+        assert await fetch_value(backend_dsn, relays, ("keyed_0",)) == 1
+        await conn.execute("SELECT sync.untrack('keyed_0')")
+        assert await fetch_value(backend_dsn, relays, ("keyed_0",)) == 0

@@ -313,6 +313,9 @@ class ConsumerRuntime:
                             return
                 elif not await self._finish_all(in_flight, epoch):
                     return
+            # Stopping: the batches still out had the same grace as the one just settled
+            # (_deliver_once); commit those that were answered, so they are not sent again.
+            await self._finish_all(in_flight, epoch)
         finally:
             if prefetch is not None:
                 prefetch.cancel()

@@ -91,8 +91,13 @@ class OutboxStore:
             await conn.execute(query("ensure_consumer"), {"consumer": consumer})
 
     async def take_leadership(self, consumer: str) -> Leadership:
-        """Take a new epoch for this process (call while holding the leader lock)."""
-        async with self._pool.connection() as conn:
+        """Take a new epoch for this process (call while holding the leader lock).
+
+        Committed durably even on a pool whose offset commits are not: an epoch lost in a
+        server crash could be taken a second time, and fencing rests on epochs never repeating.
+        """
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(query("commit_durably"))
             cur = await conn.execute(
                 query("take_leadership"),
                 {"consumer": consumer, "host": socket.gethostname(), "pid": os.getpid()},
