@@ -418,12 +418,15 @@ class ConsumerRuntime:
         """Cancel deliveries that will not be committed (stop, lost lead, error)."""
         for delivery in in_flight:
             delivery.task.cancel()
-        for delivery in in_flight:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await delivery.task
-            delivery.span.set_attribute("serversync.outcome", "abandoned")
-            delivery.span.end()
-        in_flight.clear()
+        try:
+            # return_exceptions: the deliveries' own ends (cancelled, failed) are not ours to
+            # raise; a cancellation of this task still propagates.
+            await asyncio.gather(*(d.task for d in in_flight), return_exceptions=True)
+        finally:
+            for delivery in in_flight:
+                delivery.span.set_attribute("serversync.outcome", "abandoned")
+                delivery.span.end()
+            in_flight.clear()
 
     async def _settle(self, batch: Batch, epoch: int) -> list[DeadLetter] | None:
         """Deliver `batch`; the entries to park, or None if a stop came first.
