@@ -121,7 +121,7 @@ class PrivateCluster:
         durability = (
             ""
             if self.durable
-            else ("-c fsync=off -c synchronous_commit=off -c full_page_writes=off ")
+            else "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
         )
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} "

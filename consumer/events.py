@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Protocol
 
 import orjson
@@ -45,7 +44,6 @@ class Batch:
     end: Position
     min_seq: int
     max_seq: int
-    oldest_created_at: datetime | None
     # The events as a JSON array of entry objects (entityType, entityId, op, seq, payload,
     # createdAt), in delivery order.
     entries_json: bytes
@@ -73,7 +71,6 @@ class Batch:
             end=end,
             min_seq=min(seqs),
             max_seq=max(seqs),
-            oldest_created_at=None,
             entries_json=b"[" + b",".join(parts) + b"]",
         )
 

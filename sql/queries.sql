@@ -15,7 +15,7 @@
 -- order of the subquery: an ORDER BY out here would sort the batch a second time for nothing.
 -- The entries are not built here as JSON: string_agg over the concatenated entry text cost
 -- more in the server than fetching plain rows and letting orjson write them
--- (consumer/store/outbox.py; measured in bench/, see the README's Performance section).
+-- (consumer/store/outbox.py; the README's Performance section has the timings).
 WITH horizon AS MATERIALIZED (
     SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmin(s) < pg_snapshot_xmax(s) AS held_back
     FROM pg_current_snapshot() AS s

@@ -263,7 +263,6 @@ class DlqStore:
             end=Position.start(),
             min_seq=claimed.seq,
             max_seq=claimed.seq,
-            oldest_created_at=claimed.event_created_at,
             entries_json=bytes(entry[0]),
         )
         return ClaimedMessage(claimed, batch)

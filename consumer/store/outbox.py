@@ -67,7 +67,6 @@ class OutboxStore:
             end=Position(int(last[1]), last[2]),
             min_seq=min(seqs),
             max_seq=max(seqs),
-            oldest_created_at=min(row[7] for row in rows),
             entries_json=orjson.dumps(
                 [
                     {
