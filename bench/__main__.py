@@ -30,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
             default=1.0,
             help="latency: poll interval of the poll-only run",
         )
+        p.add_argument(
+            "--rounds",
+            type=int,
+            help="producer: interleaved rounds, each figure their median (default 3, quick 2)",
+        )
         p.add_argument("--name", help="result file name (default: timestamp)")
         p.add_argument(
             "--out",
@@ -64,6 +69,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": seconds,
             "poll_interval": args.poll_interval,
             "quick": quick,
+            "rounds": args.rounds or (2 if quick else 3),
             "server": "private cluster" if args.private else "DATABASE_URL or local",
         },
     }
@@ -122,7 +128,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             result["latency"] = runs
         if args.command in ("producer", "all"):
-            result["producer"] = await producer.run_producer(env, seconds=max(2, round(seconds)))
+            result["producer"] = await producer.run_producer(
+                env, seconds=max(2, round(seconds)), rounds=args.rounds or (2 if quick else 3)
+            )
     result["targets"] = report.targets(result)
     path = report.write(result, name, args.out)
     progress(f"wrote {path}")

@@ -2,7 +2,8 @@
 
 Single-row insert/update transactions from 8 concurrent connections into an untracked table and
 into the same table tracked by the relay, with wake-ups off, with a NOTIFY in every transaction
-(the naive relay), and with serversync's default wake-up policy while a consumer runs.
+(the naive relay), and with serversync's default wake-up policy while a consumer runs (with its
+read pacing on, as by default, and off).
 
 The bench's private cluster runs with fsync and synchronous_commit off, so every transaction is
 pure CPU and the trigger's share of it is as large as it can be. On a private cluster the
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import re
 import shutil
+import statistics
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,48 +113,89 @@ def _durable(env: BenchEnv, on: bool) -> None:
     cluster.restart()
 
 
-async def run_producer(env: BenchEnv, *, seconds: int, clients: int = 8) -> dict[str, Any]:
-    """tps of each mode and the ratios to the untracked table (and, on a private cluster, the
-    same ratio with durable settings)."""
-    await _prepare(env)
-    figures: dict[str, float] = {}
-    modes = [
-        ("untracked", "bench_plain", "auto", False),
-        ("tracked_no_notify", "bench_tracked", "off", False),
-        ("tracked_notify_every_tx", "bench_tracked", "always", True),
-        ("tracked_wakeups_on", "bench_tracked", "auto", True),
-        # The same consumer load without any NOTIFY: what the consumer's own reads cost.
-        ("tracked_consumer_running_no_notify", "bench_tracked", "off", True),
-    ]
-    durable = env.server.cluster is not None
-    if durable:
-        modes += [
-            ("durable_untracked", "bench_plain", "auto", False),
-            ("durable_tracked_wakeups_on", "bench_tracked", "auto", True),
-        ]
-    for name, table, notify, with_consumer in modes:
-        if name == "durable_untracked":
-            _durable(env, True)
-        consumer = None
-        if with_consumer:
-            consumer = start_service(
-                ["run", "frontend-sync", "--sink", "null"],
-                {
-                    "DATABASE_URL": env.backend,
-                    "SYNC_BATCH_SIZE": "1000",
-                    "SYNC_LOG_LEVEL": "WARNING",
-                },
-                env.workdir / f"consumer-producer-{name}.log",
-            )
-        try:
-            progress(f"  producer: {name} for {seconds}s at {clients} connections")
-            figures[name] = _pgbench(env, table, seconds, clients, notify)
-        finally:
-            if consumer is not None:
-                consumer.stop()
+@dataclass(frozen=True)
+class Mode:
+    """One producer run: which table, the sync.notify setting, and the consumer beside it."""
+
+    name: str
+    table: str
+    notify: str
+    # None: no consumer runs; else the consumer's extra environment.
+    consumer: dict[str, str] | None = None
+    durable: bool = False
+
+
+PACING_OFF = {"SYNC_BATCH_WAIT_MS": "0"}
+MODES = [
+    Mode("untracked", "bench_plain", "auto"),
+    Mode("tracked_no_notify", "bench_tracked", "off"),
+    Mode("tracked_notify_every_tx", "bench_tracked", "always", {}),
+    Mode("tracked_wakeups_on", "bench_tracked", "auto", {}),
+    # A consumer that keeps up as closely without any NOTIFY (no LISTEN, polling every 5 ms):
+    # what the consumer's own reads cost producers, with no wake-up machinery at all.
+    Mode(
+        "tracked_consumer_running_no_notify",
+        "bench_tracked",
+        "off",
+        {"SYNC_LISTEN": "false", "SYNC_POLL_INTERVAL_SEC": "0.005"},
+    ),
+    # The consumer reading as soon as it has settled a batch, however fast events arrive.
+    Mode("tracked_wakeups_on_unpaced", "bench_tracked", "auto", PACING_OFF),
+]
+DURABLE_MODES = [
+    Mode("durable_untracked", "bench_plain", "auto", durable=True),
+    Mode("durable_tracked_wakeups_on", "bench_tracked", "auto", {}, durable=True),
+]
+
+
+async def _run_mode(env: BenchEnv, mode: Mode, seconds: int, clients: int, round_: int) -> float:
+    consumer = None
+    if mode.consumer is not None:
+        consumer = start_service(
+            ["run", "frontend-sync", "--sink", "null"],
+            {
+                "DATABASE_URL": env.backend,
+                "SYNC_BATCH_SIZE": "1000",
+                "SYNC_LOG_LEVEL": "WARNING",
+                **mode.consumer,
+            },
+            env.workdir / f"consumer-producer-{mode.name}-{round_}.log",
+        )
+    try:
+        progress(f"  producer: {mode.name} for {seconds}s at {clients} connections")
+        return _pgbench(env, mode.table, seconds, clients, mode.notify)
+    finally:
+        if consumer is not None:
+            consumer.stop()
         await execute(env.backend, "VACUUM ANALYZE")
-    if durable:
-        _durable(env, False)
+
+
+async def run_producer(
+    env: BenchEnv, *, seconds: int, clients: int = 8, rounds: int = 3
+) -> dict[str, Any]:
+    """tps of each mode and the ratios to the untracked table (and, on a private cluster, the
+    same ratio with durable settings).
+
+    Single runs on this machine vary by +-25 % from one to the next, so the modes run in
+    `rounds` interleaved rounds (every mode once per round) and each figure is the median of its
+    runs; the runs themselves are kept in the result.
+    """
+    await _prepare(env)
+    runs: dict[str, list[float]] = {}
+    blocks = [MODES]
+    if env.server.cluster is not None:
+        blocks.append(DURABLE_MODES)
+    for block in blocks:
+        if block[0].durable:
+            _durable(env, True)
+        for round_ in range(rounds):
+            progress(f"producer: round {round_ + 1}/{rounds}")
+            for mode in block:
+                tps = await _run_mode(env, mode, seconds, clients, round_)
+                runs.setdefault(mode.name, []).append(round(tps, 1))
+        if block[0].durable:
+            _durable(env, False)
+    figures = {name: statistics.median(values) for name, values in runs.items()}
 
     def base(mode: str) -> float:
         return figures["durable_untracked" if mode.startswith("durable_") else "untracked"]
@@ -159,6 +203,8 @@ async def run_producer(env: BenchEnv, *, seconds: int, clients: int = 8) -> dict
     return {
         "clients": clients,
         "seconds": seconds,
+        "rounds": rounds,
         "tps": {k: round(v, 1) for k, v in figures.items()},
+        "tps_runs": runs,
         "ratio_to_untracked": {k: round(v / base(k), 3) for k, v in figures.items()},
     }

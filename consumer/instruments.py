@@ -57,7 +57,8 @@ DELIVERY_ATTEMPTS = _meter.create_histogram(
     explicit_bucket_boundaries_advisory=[1, 2, 3, 4, 5, 6, 8, 10, 20],
 )
 WAKEUPS = _meter.create_counter(
-    "serversync.wakeups", description="Why an idle consumer woke up: notify, poll or recheck"
+    "serversync.wakeups",
+    description="Why the consumer's loop slept: notify, poll, recheck, or paced (fast traffic)",
 )
 LEADER = _meter.create_gauge(
     "serversync.leader", description="1 while this process leads its consumer, else 0"

@@ -52,6 +52,13 @@ class SyncSettings(_Base):
     # After an empty read, read again this much later before asking producers for a NOTIFY: a
     # consumer under steady load keeps polling at this pace and costs producers no NOTIFY.
     linger_ms: int = Field(5, ge=0, le=1000, validation_alias="SYNC_LINGER_MS")
+    # While events arrive at SYNC_BATCH_WAIT_MIN_RATE per second or faster, wait this long after
+    # a short batch before reading again: fewer, bigger batches (each costs a read, a request and
+    # a commit whatever its size), for at most this much added latency. 0 never waits.
+    batch_wait_ms: int = Field(20, ge=0, le=5000, validation_alias="SYNC_BATCH_WAIT_MS")
+    batch_wait_min_rate: float = Field(
+        2000.0, ge=0, le=10_000_000, validation_alias="SYNC_BATCH_WAIT_MIN_RATE"
+    )
     # How often a standby tries to take over, and how often the leader checks its lock.
     standby_interval_sec: float = Field(
         1.0, gt=0, le=60, validation_alias="SYNC_STANDBY_INTERVAL_SEC"

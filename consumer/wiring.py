@@ -120,6 +120,8 @@ def runtime_config(settings: SyncSettings, consumer: str = "frontend-sync") -> R
         retry_max=settings.retry_max_sec,
         shutdown_timeout=settings.shutdown_timeout_sec,
         linger=settings.linger_ms / 1000,
+        batch_wait=settings.batch_wait_ms / 1000,
+        batch_wait_min_rate=settings.batch_wait_min_rate,
         max_attempts=settings.max_attempts,
         dlq_max_retries=settings.dlq_max_retries,
         # recording-upload runs SYNC_UPLOAD_CONCURRENCY uploads inside one batch instead.

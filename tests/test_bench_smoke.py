@@ -22,6 +22,8 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
             "3000",
             "--seconds",
             "1",
+            "--rounds",
+            "1",
             "--rate",
             "100",
             "--poll-interval",

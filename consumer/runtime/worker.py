@@ -24,6 +24,7 @@ from consumer import instruments
 from consumer.events import Batch, DeadLetter, DeliveryError, Position, Sink
 from consumer.redact import mask_secrets
 from consumer.runtime.backoff import Backoff
+from consumer.runtime.pacing import ReadPacer
 from consumer.runtime.wakeup import NotifyListener
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import FencedError, OutboxStore, ReadResult
@@ -57,6 +58,10 @@ class RuntimeConfig:
     dlq_max_retries: int = 3
     # Batches being delivered at once while a backlog drains; offsets still move in order.
     max_in_flight: int = 1
+    # While events arrive at batch_wait_min_rate per second or faster, wait this long after a
+    # short batch before reading again (consumer/runtime/pacing.py); 0 never waits.
+    batch_wait: float = 0.0
+    batch_wait_min_rate: float = 2000.0
 
 
 @dataclass
@@ -73,10 +78,13 @@ class RuntimeStats:
     notify_wakeups: int = 0
     poll_wakeups: int = 0
     recheck_wakeups: int = 0
+    # Waits after a short batch because events arrived fast (read pacing).
+    paced_waits: int = 0
     takeovers: int = 0
     last_batch_at: float | None = None
-    # While the loop sleeps: "wakeup" (nothing to read; a NOTIFY or the poll timer ends it) or
-    # "recheck" (an older open transaction holds the horizon back); None while it works.
+    # While the loop sleeps: "wakeup" (nothing to read; a NOTIFY or the poll timer ends it),
+    # "recheck" (an older open transaction holds the horizon back) or "paced" (events arrive
+    # fast and gather for the next read); None while it works.
     sleeping: str | None = None
     # starting, standby (another process leads; the database answers), leader,
     # database_unreachable, stopped: what /readyz reports.
@@ -244,6 +252,8 @@ class ConsumerRuntime:
         (pipelining), and up to `max_in_flight` batches are delivered at once; their offsets are
         committed strictly in order, so the stored position never passes an unsettled batch.
         A short batch ends the read-ahead: everything in flight is settled before reading again.
+        While events arrive fast, the loop then waits `batch_wait` before that read, so that
+        they gather into fewer, bigger batches (ReadPacer).
 
         The relay sends NOTIFY only while a consumer is marked waiting (sql/backend/0002). After
         an empty read we first linger briefly and read again; only if that read is empty too do
@@ -263,6 +273,7 @@ class ConsumerRuntime:
                 functools.partial(self.store.set_waiting, self.consumer, False)
             )
         lingered = False
+        pacer = ReadPacer(self.config.batch_wait, self.config.batch_wait_min_rate)
         prefetch: asyncio.Task[ReadResult] | None = None
         in_flight: collections.deque[_InFlight] = collections.deque()
         try:
@@ -299,6 +310,7 @@ class ConsumerRuntime:
                     self._count_wakeup(reason)
                     continue
                 lingered = False
+                pacer.observe(batch.count)
                 if waiting:
                     await self._with_db_retry(
                         functools.partial(self.store.set_waiting, self.consumer, False)
@@ -313,6 +325,8 @@ class ConsumerRuntime:
                             return
                 elif not await self._finish_all(in_flight, epoch):
                     return
+                elif pause := pacer.pause():
+                    await self._paced_wait(pause)
             # Stopping: the batches still out had the same grace as the one just settled
             # (_deliver_once); commit those that were answered, so they are not sent again.
             await self._finish_all(in_flight, epoch)
@@ -577,6 +591,16 @@ class ConsumerRuntime:
         if not done:
             return "recheck" if held_back else "poll"
         return waiters[next(iter(done))]
+
+    async def _paced_wait(self, seconds: float) -> None:
+        """Let events gather for the next read (everything read so far is committed)."""
+        self.stats.paced_waits += 1
+        instruments.WAKEUPS.add(1, {"consumer": self.consumer, "reason": "paced"})
+        self.stats.sleeping = "paced"
+        try:
+            await self._sleep_unless_stopped(seconds)
+        finally:
+            self.stats.sleeping = None
 
     def _count_wakeup(self, reason: str) -> None:
         if reason in ("notify", "poll", "recheck"):
