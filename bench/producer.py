@@ -131,7 +131,7 @@ MODES = [
     Mode("untracked", "bench_plain", "auto"),
     Mode("tracked_no_notify", "bench_tracked", "off"),
     Mode("tracked_wakeups_on", "bench_tracked", "auto", {}),
-    # A consumer that keeps up as closely without any NOTIFY (no LISTEN, polling every 5 ms):
+    # A consumer that keeps up just as closely without any NOTIFY (no LISTEN, polling every 5 ms):
     # what the consumer's own reads cost producers, with no wake-up machinery at all.
     Mode(
         "tracked_consumer_running_no_notify",

@@ -170,8 +170,8 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, float]:
                 continue
             flat.update(_flatten(inner, f"{prefix}.{key}" if prefix else str(key)))
     elif isinstance(value, list):
-        for item in value:
-            label = item.get("mode", "") if isinstance(item, dict) else ""
+        for index, item in enumerate(value):
+            label = item.get("mode", "") if isinstance(item, dict) else str(index)
             flat.update(_flatten(item, f"{prefix}[{label}]"))
     elif isinstance(value, int | float) and not isinstance(value, bool):
         flat[prefix] = float(value)
