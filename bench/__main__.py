@@ -57,6 +57,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     quick: bool = args.quick
     events = args.events or (100_000 if quick else 1_000_000)
     seconds = args.seconds or (3.0 if quick else 10.0)
+    rounds = args.rounds or (2 if quick else 3)
     name = args.name or time.strftime("%Y%m%d-%H%M%S") + ("-quick" if quick else "")
     result: dict[str, Any] = {
         "name": name,
@@ -69,7 +70,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": seconds,
             "poll_interval": args.poll_interval,
             "quick": quick,
-            "rounds": args.rounds or (2 if quick else 3),
+            "rounds": rounds,
             "server": "private cluster" if args.private else "DATABASE_URL or local",
         },
     }
@@ -129,7 +130,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             result["latency"] = runs
         if args.command in ("producer", "all"):
             result["producer"] = await producer.run_producer(
-                env, seconds=max(2, round(seconds)), rounds=args.rounds or (2 if quick else 3)
+                env, seconds=max(2, round(seconds)), rounds=rounds
             )
     result["targets"] = report.targets(result)
     path = report.write(result, name, args.out)

@@ -594,8 +594,7 @@ class ConsumerRuntime:
 
     async def _paced_wait(self, seconds: float) -> None:
         """Let events gather for the next read (everything read so far is committed)."""
-        self.stats.paced_waits += 1
-        instruments.WAKEUPS.add(1, {"consumer": self.consumer, "reason": "paced"})
+        self._count_wakeup("paced")
         self.stats.sleeping = "paced"
         try:
             await self._sleep_unless_stopped(seconds)
@@ -603,7 +602,7 @@ class ConsumerRuntime:
             self.stats.sleeping = None
 
     def _count_wakeup(self, reason: str) -> None:
-        if reason in ("notify", "poll", "recheck"):
+        if reason in ("notify", "poll", "recheck", "paced"):
             instruments.WAKEUPS.add(1, {"consumer": self.consumer, "reason": reason})
         if reason == "notify":
             self.stats.notify_wakeups += 1
@@ -611,6 +610,8 @@ class ConsumerRuntime:
             self.stats.poll_wakeups += 1
         elif reason == "recheck":
             self.stats.recheck_wakeups += 1
+        elif reason == "paced":
+            self.stats.paced_waits += 1
 
     # -- helpers ------------------------------------------------------------------------------
 
