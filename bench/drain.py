@@ -169,14 +169,18 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
                     "SELECT last_txid::text, last_seq, delivered_total FROM sync.consumer_offsets"
                     " WHERE consumer = 'frontend-sync'",
                 )
-                if consumer.process.poll() is not None:
-                    raise RuntimeError(f"consumer exited; see {consumer.log}")
                 if time.monotonic() - last_report > 2:
                     last_report = time.monotonic()
                     progress(f"  {sink}: {rows[0][2]:,}/{total:,} delivered")
                 return Position(int(rows[0][0]), rows[0][1]) >= end
 
-            await wait_for(drained, timeout=timeout, what=f"the {sink} drain", every=0.02)
+            await wait_for(
+                drained,
+                timeout=timeout,
+                what=f"the {sink} drain",
+                every=0.02,
+                watching=[consumer, receiver],
+            )
             consumer_rss = peak_rss_mb(consumer.pid)
             receiver_rss = peak_rss_mb(receiver.pid)
             # From taking the lead to the last offset commit: process start-up excluded.

@@ -9,7 +9,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,15 @@ class Service:
         """The process id."""
         return self.process.pid
 
+    def check_alive(self) -> None:
+        """Raise, with the last line of its log, if the process has exited."""
+        code = self.process.poll()
+        if code is None:
+            return
+        lines = self.log.read_text(errors="replace").strip().splitlines()
+        last = lines[-1] if lines else "(its log is empty)"
+        raise RuntimeError(f"{self.log.stem} exited with status {code}: {last} (log: {self.log})")
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it does not exit in time."""
         if self.process.poll() is None:
@@ -149,11 +158,20 @@ def start_service(args: list[str], env: dict[str, str], log: Path) -> Service:
 
 
 async def wait_for(
-    check: Callable[[], Awaitable[bool]], *, timeout: float, what: str, every: float = 0.01
+    check: Callable[[], Awaitable[bool]],
+    *,
+    timeout: float,
+    what: str,
+    every: float = 0.01,
+    watching: Sequence[Service] = (),
 ) -> None:
-    """Poll until `check` holds, or fail with what was awaited."""
+    """Poll until `check` holds, or fail with what was awaited; fail at once if one of the
+    `watching` processes exits (a consumer that refused to start would else be waited for until
+    the timeout)."""
     deadline = time.monotonic() + timeout
     while not await check():
+        for service in watching:
+            service.check_alive()
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(every)
@@ -183,7 +201,7 @@ async def ingest_server(env: BenchEnv) -> AsyncIterator[tuple[str, Service]]:
                 except aiohttp.ClientError:
                     return False
 
-            await wait_for(ready, timeout=30, what="ingest-server", every=0.05)
+            await wait_for(ready, timeout=30, what="ingest-server", every=0.05, watching=[service])
         yield url, service
     finally:
         service.stop()

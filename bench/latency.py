@@ -46,7 +46,7 @@ async def run_latency(
         " WHERE o.consumer = 'frontend-sync'",
     )
     mode = "notify" if listen else "poll-only"
-    async with ingest_server(env) as (url, _receiver):
+    async with ingest_server(env) as (url, receiver):
         consumer = start_service(
             ["run", "frontend-sync"],
             {
@@ -69,7 +69,9 @@ async def run_latency(
                 )
                 return bool(rows and rows[0][0])
 
-            await wait_for(leading, timeout=30, what="the consumer to lead")
+            await wait_for(
+                leading, timeout=30, what="the consumer to lead", watching=[consumer, receiver]
+            )
             committed: dict[str, float] = {}
             total = int(rate * seconds)
             conn = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
@@ -95,7 +97,12 @@ async def run_latency(
                 rows = await execute(env.frontend, "SELECT count(*) FROM ingest.entities")
                 return int(rows[0][0]) >= total
 
-            await wait_for(arrived, timeout=poll_interval * 3 + 30, what="every event to arrive")
+            await wait_for(
+                arrived,
+                timeout=poll_interval * 3 + 30,
+                what="every event to arrive",
+                watching=[consumer, receiver],
+            )
         finally:
             consumer.stop()
     rows = await execute(

@@ -23,7 +23,15 @@ from typing import Any
 
 from psycopg import conninfo, sql
 
-from bench.harness import BenchEnv, execute, outbox_end, progress, start_service, wait_for
+from bench.harness import (
+    BenchEnv,
+    Service,
+    execute,
+    outbox_end,
+    progress,
+    start_service,
+    wait_for,
+)
 from consumer.devdb import find_bindir
 from consumer.events import Position
 
@@ -150,7 +158,7 @@ DURABLE_MODES = [
 ]
 
 
-async def _caught_up(env: BenchEnv, log: Path) -> None:
+async def _caught_up(env: BenchEnv, consumer: Service) -> None:
     """Wait until the consumer has delivered what the modes before left in the outbox: a
     backlog drained while pgbench runs would be charged to this mode's producers."""
     end = await outbox_end(env.backend)
@@ -163,7 +171,13 @@ async def _caught_up(env: BenchEnv, log: Path) -> None:
         )
         return bool(rows) and Position(int(rows[0][0]), rows[0][1]) >= end
 
-    await wait_for(there, timeout=300, what=f"the consumer to catch up (see {log})", every=0.05)
+    await wait_for(
+        there,
+        timeout=300,
+        what=f"the consumer to catch up (see {consumer.log})",
+        every=0.05,
+        watching=[consumer],
+    )
 
 
 async def _run_mode(env: BenchEnv, mode: Mode, seconds: int, clients: int, round_: int) -> float:
@@ -179,7 +193,7 @@ async def _run_mode(env: BenchEnv, mode: Mode, seconds: int, clients: int, round
             },
             env.workdir / f"consumer-producer-{mode.name}-{round_}.log",
         )
-        await _caught_up(env, consumer.log)
+        await _caught_up(env, consumer)
     try:
         progress(f"  producer: {mode.name} for {seconds}s at {clients} connections")
         return _pgbench(env, mode.table, seconds, clients, mode.notify)

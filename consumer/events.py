@@ -1,15 +1,16 @@
 """The shared vocabulary of the outbox: positions and batches of events.
 
-A batch keeps its entries as one JSON array in the wire format of the ingest API, written once
-when the batch is read (each payload is the outbox's own json text), so delivering a batch
-costs no further Python object per event. A sink that needs single events
-parses it (`Batch.entries()`).
+A batch keeps its entries as one JSON array in the wire format of the ingest API, written once,
+when a sink first asks for it (each payload is the outbox's own json text), so delivering a
+batch costs no further Python object per event. A sink that needs single events parses it
+(`Batch.entries()`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,18 +36,48 @@ class Position:
         return f"{self.txid}/{self.seq}"
 
 
-@dataclass(frozen=True)
 class Batch:
-    """Consecutive events of the outbox, as read for one consumer."""
+    """Consecutive events of the outbox, as read for one consumer.
 
-    count: int
-    # Where the consumer stands once this batch is delivered.
-    end: Position
-    min_seq: int
-    max_seq: int
-    # The events as a JSON array of entry objects (entityType, entityId, op, seq, payload,
-    # createdAt), in delivery order.
-    entries_json: bytes
+    The entries are a JSON array of entry objects (entityType, entityId, op, seq, payload,
+    createdAt) in delivery order: given as text, or written by `write_entries` the first time a
+    sink asks for them, so a sink that never needs the wire form (the null sink, a sink that
+    looks at a few entries only) costs nothing per event for it.
+    """
+
+    __slots__ = ("_entries_json", "_write_entries", "count", "end", "max_seq", "min_seq")
+
+    def __init__(
+        self,
+        *,
+        count: int,
+        end: Position,
+        min_seq: int,
+        max_seq: int,
+        entries_json: bytes | None = None,
+        write_entries: Callable[[], bytes] | None = None,
+    ) -> None:
+        if (entries_json is None) == (write_entries is None):
+            raise TypeError("Batch takes either entries_json or write_entries")
+        self.count = count
+        # Where the consumer stands once this batch is delivered.
+        self.end = end
+        self.min_seq = min_seq
+        self.max_seq = max_seq
+        self._entries_json = entries_json
+        self._write_entries = write_entries
+
+    @property
+    def entries_json(self) -> bytes:
+        """The entries as one JSON array (written once, on first use)."""
+        if self._entries_json is None:
+            assert self._write_entries is not None
+            self._entries_json = self._write_entries()
+            self._write_entries = None
+        return self._entries_json
+
+    def __repr__(self) -> str:
+        return f"Batch(count={self.count}, seq={self.seq_range}, end={self.end})"
 
     def entries(self) -> list[dict[str, Any]]:
         """The events as dicts, for sinks that act on single events."""

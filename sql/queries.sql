@@ -141,11 +141,12 @@ ORDER BY c.consumer;
 
 -- name: outbox_stats
 -- For the outbox gauges: PostgreSQL's row estimate (exact counting would scan the table on
--- every scrape) and the age of the oldest row (the first by seq, through the primary key).
+-- every scrape) and the age of the oldest row (the first in delivery order, through the primary
+-- key).
 SELECT coalesce((SELECT n_live_tup FROM pg_stat_user_tables
                   WHERE relid = 'sync.events_outbox'::regclass), 0) AS outbox_rows,
        extract(epoch FROM now() - (SELECT o.created_at FROM sync.events_outbox o
-                                    ORDER BY o.seq LIMIT 1))::float8 AS oldest_age_seconds;
+                                    ORDER BY o.txid, o.seq LIMIT 1))::float8 AS oldest_age_seconds;
 
 -- name: horizon_state
 -- Committed events that no consumer can read yet because an older transaction is still open.

@@ -559,9 +559,11 @@ def _badly_signed(case: str, body: bytes) -> tuple[bytes, dict[str, str]]:
     if case == "timestamp-not-a-number":
         return body, {ts: "soon", sig: signing.signature(SECRET, "soon", body)}
     if case == "stale":
-        return body, signing.sign(SECRET, body, now=now - 301)
+        return body, signing.sign(SECRET, body, now=now - signing.MAX_SKEW_SEC - 5)
     if case == "future":
-        return body, signing.sign(SECRET, body, now=now + 301)
+        # Well past the limit: the signed timestamp is truncated to whole seconds, so +301 could
+        # arrive as 300 s ahead and be accepted.
+        return body, signing.sign(SECRET, body, now=now + signing.MAX_SKEW_SEC + 5)
     if case == "replayed-with-another-body":
         other = wire_body("forged", seq=99)
         return other, good

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Sequence
@@ -41,6 +42,24 @@ class Leadership:
     position: Position
 
 
+def _wire_entries(rows: list[tuple[Any, ...]]) -> bytes:
+    """The read_batch rows as the ingest API's JSON array of entries."""
+    return orjson.dumps(
+        [
+            {
+                "entityType": row[4],
+                "entityId": row[5],
+                "op": row[3],
+                "seq": row[2],
+                # The json text the relay stored, passed through unparsed.
+                "payload": orjson.Fragment(row[6]),
+                "createdAt": row[7],
+            }
+            for row in rows
+        ]
+    )
+
+
 class OutboxStore:
     """Outbox reads and offset writes over a connection pool."""
 
@@ -67,20 +86,7 @@ class OutboxStore:
             end=Position(int(last[1]), last[2]),
             min_seq=min(seqs),
             max_seq=max(seqs),
-            entries_json=orjson.dumps(
-                [
-                    {
-                        "entityType": row[4],
-                        "entityId": row[5],
-                        "op": row[3],
-                        "seq": row[2],
-                        # The json text the relay stored, passed through unparsed.
-                        "payload": orjson.Fragment(row[6]),
-                        "createdAt": row[7],
-                    }
-                    for row in rows
-                ]
-            ),
+            write_entries=functools.partial(_wire_entries, rows),
         )
         return ReadResult(batch, held_back)
 

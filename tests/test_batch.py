@@ -1,0 +1,54 @@
+"""A batch's wire form: the entries a sink sends, written once and only when a sink asks."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from consumer.events import Batch, Position
+from consumer.store.outbox import OutboxStore
+from consumer.wiring import open_pool
+from tests.conftest import fetch_all
+from tests.helpers_processes import insert_calls
+
+
+async def test_a_read_batch_carries_the_outbox_rows_in_the_wire_format(backend_dsn: str) -> None:
+    await insert_calls(backend_dsn, 3, tag="w")
+    async with open_pool(backend_dsn, "test-batch") as pool:
+        result = await OutboxStore(pool).read_batch(Position.start(), 10)
+    batch = result.batch
+    assert batch is not None
+    rows = await fetch_all(
+        backend_dsn,
+        "SELECT seq, entity_id, payload::text, created_at FROM sync.events_outbox"
+        " ORDER BY txid, seq",
+    )
+    assert (batch.count, batch.min_seq, batch.max_seq) == (3, rows[0][0], rows[-1][0])
+    entries = batch.entries()
+    assert [(e["seq"], e["entityId"], e["entityType"], e["op"]) for e in entries] == [
+        (seq, entity_id, "call_log", "upsert") for seq, entity_id, _, _ in rows
+    ]
+    assert [e["payload"] for e in entries] == [orjson.loads(row[2]) for row in rows]
+    assert [e["createdAt"] for e in entries] == [
+        orjson.dumps(row[3]).decode().strip('"') for row in rows
+    ]
+    # The payload is the relay's own json text, byte for byte (no number is re-encoded).
+    for raw, row in zip(batch.raw_entries(), rows, strict=True):
+        assert b'"payload":' + row[2].encode() in raw
+
+
+def test_the_entries_are_written_once_and_only_when_asked_for() -> None:
+    writes: list[int] = []
+
+    def write() -> bytes:
+        writes.append(1)
+        return b'[{"seq":1,"op":"upsert"},{"seq":2,"op":"delete"}]'
+
+    batch = Batch(count=2, end=Position(7, 2), min_seq=1, max_seq=2, write_entries=write)
+    assert writes == []  # a sink that never looks costs nothing (the null sink)
+    assert batch.entries_json == batch.entries_json
+    first, second = batch.split()
+    assert [e["seq"] for e in first.entries() + second.entries()] == [1, 2]
+    assert writes == [1]
+    with pytest.raises(TypeError, match="either"):
+        Batch(count=0, end=Position.start(), min_seq=0, max_seq=0)
