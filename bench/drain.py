@@ -26,6 +26,7 @@ from bench.harness import (
     start_service,
     wait_for,
 )
+from consumer.db import connect_kwargs
 from consumer.events import Position
 
 RECEIVER_UPSERT = """
@@ -71,8 +72,13 @@ async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
         "INSERT INTO sync.consumer_offsets (consumer) VALUES ('bench-python-loop')"
         " ON CONFLICT (consumer) DO UPDATE SET last_txid = '0', last_seq = 0",
     )
-    source = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
-    target = await psycopg.AsyncConnection.connect(env.frontend)
+    # The session settings of the product's own read and offset sessions (UTC timestamps are
+    # the cheap ones to load; offset commits do not wait for the WAL flush), so that the
+    # references differ from it only in what they do.
+    source = await psycopg.AsyncConnection.connect(
+        env.backend, autocommit=True, **connect_kwargs("bench-loop", synchronous_commit=False)
+    )
+    target = await psycopg.AsyncConnection.connect(env.frontend, **connect_kwargs("bench-loop"))
     events = batches = 0
     position = Position.start()
     async with source, target:
@@ -113,7 +119,9 @@ async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
 
 async def read_walk(env: BenchEnv, batch_size: int) -> dict[str, Any]:
     """Reference (c): read the whole outbox in batches, fetching every column, doing nothing."""
-    conn = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
+    conn = await psycopg.AsyncConnection.connect(
+        env.backend, autocommit=True, **connect_kwargs("bench-walk")
+    )
     events = 0
     position = Position.start()
     async with conn:
