@@ -2,16 +2,17 @@
 --
 -- The relay inserts one outbox row per changed row, from a trigger, so every INSERT is a new
 -- executor run, and that run pays a set-up cost for each constraint and index of the outbox
--- before it writes anything. Timed per row (50,000 single-row relay INSERTs, one session, fsync
--- off, five alternating rounds):
---   no trigger                                     ~3.5 us
---   relay into a copy without constraints/indexes ~15 us
---   the 0001 outbox (3 CHECKs, PK seq, (txid, seq), BRIN)                ~34 us
---   the same without the CHECKs                                          ~23 us
---   one combined CHECK in place of three                                 ~31 us
---   no CHECKs, PRIMARY KEY (txid, seq), BRIN                             ~13-20 us
--- A relation CHECK is re-planned (expression_planner) in every executor run that needs it, so
--- one is about as dear as three; that was a third of what the relay cost.
+-- before it writes anything. Timed per row (50,000 single-row relay INSERTs in one session,
+-- fsync off; medians of five alternating rounds, which varied by up to 30 %):
+--   no trigger                                                            3.6 us
+--   the 0001 outbox (3 CHECKs, PRIMARY KEY (seq), (txid, seq), BRIN)      34.6 us
+--   the same without the CHECKs                                          23.4 us
+--   one combined CHECK in place of the three                             31.4 us
+--   no CHECKs, PRIMARY KEY (txid, seq), BRIN (this migration)            13.3 us
+--   no CHECKs and no index at all                                        16.0 us (noise)
+-- A table's CHECK constraints are read back from their stored form (stringToNode) and planned
+-- (ExecPrepareExpr) afresh in every executor run that inserts a row (ExecRelCheck); one combined
+-- CHECK cost about as much as three, and together they were a third of what the relay cost.
 --
 -- So:
 -- * The CHECKs go. What they guarded is guarded where the rows are made: op is a constant in
