@@ -130,7 +130,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             result["latency"] = runs
         if args.command in ("producer", "all"):
             result["producer"] = await producer.run_producer(
-                env, seconds=max(2, round(seconds)), rounds=rounds
+                env,
+                seconds=max(2, round(seconds)),
+                rounds=rounds,
+                statements=2_000 if args.quick else 20_000,
             )
     result["targets"] = report.targets(result)
     path = report.write(result, name, args.out)
@@ -172,6 +175,15 @@ def _summary(result: dict[str, Any]) -> str:
         lines.append(f"producer cost at {p['clients']} connections (tps, ratio to untracked):")
         for key, tps in p["tps"].items():
             lines.append(f"  {key:26} {tps:>10,.0f}  {p['ratio_to_untracked'][key]:.3f}")
+        cost = p["relay_cost"]
+        us = cost["us_per_statement"]
+        lines.append(
+            "relay cost per row, one session, single-row statements (us): "
+            f"insert {us['insert_untracked']} -> {us['insert_tracked']} "
+            f"(+{cost['relay_us_per_row']['insert']}), "
+            f"update {us['update_untracked']} -> {us['update_tracked']} "
+            f"(+{cost['relay_us_per_row']['update']})"
+        )
     for key, check in result.get("targets", {}).items():
         mark = "ok  " if check["met"] else "MISS"
         lines.append(f"[{mark}] {key}: {check['measured']} (target {check['target']})")

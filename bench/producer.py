@@ -203,8 +203,71 @@ async def _run_mode(env: BenchEnv, mode: Mode, seconds: int, clients: int, round
         await execute(env.backend, "VACUUM ANALYZE")
 
 
+# One session writes single-row statements in a server-side loop, so the figure is the server's
+# own cost per statement: no client, no round trip, no commit, no other session to share the
+# CPU with. The tracked minus the untracked figure is what the relay adds to each changed row.
+# The statements are static (planned once, as a producer's prepared statements would be).
+TIMED_WRITES = """
+CREATE OR REPLACE FUNCTION {function}(kind text, n int)
+RETURNS float8 LANGUAGE plpgsql AS $$
+DECLARE
+    started timestamptz := clock_timestamp();
+BEGIN
+    IF kind = 'insert' THEN
+        FOR i IN 1..n LOOP
+            INSERT INTO {table} (id, v, note) VALUES (nextval({ids}), 1, repeat('x', 200));
+        END LOOP;
+    ELSE
+        FOR i IN 1..n LOOP
+            UPDATE {table} SET v = v + 1 WHERE id = i % 10000 + 1;
+        END LOOP;
+    END IF;
+    RETURN extract(epoch FROM clock_timestamp() - started) * 1e6 / n;
+END;
+$$
+"""
+
+
+async def relay_cost_per_row(env: BenchEnv, *, statements: int, rounds: int) -> dict[str, Any]:
+    """Server time per single-row INSERT and UPDATE statement, untracked and tracked (wake-up
+    check on, nobody waiting), medians of `rounds` alternating runs; and the difference, the
+    relay's cost per changed row."""
+    tables = {"untracked": "bench_plain", "tracked": "bench_tracked"}
+    for table in tables.values():
+        await execute(
+            env.backend,
+            sql.SQL(TIMED_WRITES).format(
+                function=sql.Identifier(f"time_writes_{table}"),
+                table=sql.Identifier(table),
+                ids=sql.Literal(f"{table}_ids"),
+            ),
+        )
+    runs: dict[str, list[float]] = {}
+    for round_ in range(rounds):
+        progress(f"producer: relay cost per row, round {round_ + 1}/{rounds}")
+        for kind in ("insert", "update"):
+            for which, table in tables.items():
+                rows = await execute(
+                    env.backend,
+                    sql.SQL("SELECT {}(%s, %s)").format(sql.Identifier(f"time_writes_{table}")),
+                    (kind, statements),
+                )
+                runs.setdefault(f"{kind}_{which}", []).append(round(float(rows[0][0]), 2))
+    us = {name: statistics.median(values) for name, values in runs.items()}
+    return {
+        "statements": statements,
+        "rounds": rounds,
+        "us_per_statement": {k: round(v, 2) for k, v in us.items()},
+        "us_per_statement_runs": runs,
+        "relay_us_per_row": {
+            kind: round(us[f"{kind}_tracked"] - us[f"{kind}_untracked"], 2)
+            for kind in ("insert", "update")
+        },
+    }
+
+
 async def run_producer(
-    env: BenchEnv, *, seconds: int, clients: int = 8, rounds: int = 3
+    env: BenchEnv, *, seconds: int, clients: int = 8, rounds: int = 3, statements: int = 20_000
 ) -> dict[str, Any]:
     """tps of each mode and the ratios to the untracked table (and, on a private cluster, the
     same ratio with durable settings).
@@ -214,6 +277,7 @@ async def run_producer(
     runs; the runs themselves are kept in the result.
     """
     await _prepare(env)
+    per_row = await relay_cost_per_row(env, statements=statements, rounds=max(rounds, 3))
     runs: dict[str, list[float]] = {}
     blocks = [MODES]
     if env.server.cluster is not None:
@@ -240,4 +304,5 @@ async def run_producer(
         "tps": {k: round(v, 1) for k, v in figures.items()},
         "tps_runs": runs,
         "ratio_to_untracked": {k: round(v / base(k), 3) for k, v in figures.items()},
+        "relay_cost": per_row,
     }

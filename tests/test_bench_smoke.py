@@ -49,5 +49,10 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
     assert {run["mode"] for run in figures["latency"]} == {"notify", "poll-only"}
     assert set(figures["producer"]["tps"]) >= {"untracked", "tracked_wakeups_on"}
     assert "producer_tracked_wakeups_on_ratio" in figures["targets"]
+    relay = figures["producer"]["relay_cost"]["us_per_statement"]
+    kinds = {f"{op}_{table}" for op in ("insert", "update") for table in ("untracked", "tracked")}
+    assert set(relay) == kinds
+    assert all(us > 0 for us in relay.values())
+    assert "relay cost per row" in result.stdout
     assert (tmp_path / "smoke.png").stat().st_size > 1000
     assert "drain of 3,000 events" in result.stdout
