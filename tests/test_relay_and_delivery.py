@@ -239,3 +239,33 @@ async def test_a_row_with_an_empty_key_is_refused_with_its_table_named(backend_d
         backend_dsn, "SELECT op, entity_id FROM sync.events_outbox ORDER BY txid, seq"
     )
     assert rows == [("upsert", "g-1")]
+
+
+async def test_keys_swapped_in_one_statement_leave_both_entities(backend_dsn: str) -> None:
+    """Two rows trade keys in one UPDATE (a deferrable key allows it): both entities still
+    exist, so no delete may go out after their upserts, or the receiver would lose one. A key
+    that is really gone still gets its delete (and a rename of the table keeps that working)."""
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        await conn.execute(
+            "CREATE TABLE slots (code text PRIMARY KEY DEFERRABLE INITIALLY DEFERRED, item text)"
+        )
+        await conn.execute("SELECT sync.track('public.slots', 'slot', 'code')")
+        await conn.execute("INSERT INTO slots VALUES ('a', 'apple'), ('b', 'banana')")
+        await conn.execute("UPDATE slots SET code = CASE code WHEN 'a' THEN 'b' ELSE 'a' END")
+        await conn.execute("ALTER TABLE slots RENAME TO shelf_slots")
+        await conn.execute("UPDATE shelf_slots SET code = 'c' WHERE code = 'a'")
+    rows = await fetch_all(
+        backend_dsn,
+        "SELECT op, entity_id, payload->>'item' FROM sync.events_outbox ORDER BY txid, seq",
+    )
+    assert rows[:2] == [("upsert", "a", "apple"), ("upsert", "b", "banana")]
+    assert sorted(rows[2:4]) == [("upsert", "a", "banana"), ("upsert", "b", "apple")]
+    assert rows[4:] == [("delete", "a", "banana"), ("upsert", "c", "banana")]
+    # What a receiver ends with, applying by seq: the newest event of each entity.
+    final = {entity: (op, item) for op, entity, item in rows}
+    assert final == {
+        "a": ("delete", "banana"),
+        "b": ("upsert", "apple"),
+        "c": ("upsert", "banana"),
+    }
