@@ -9,6 +9,10 @@ The bench's private cluster runs with fsync and synchronous_commit off, so every
 pure CPU and the trigger's share of it is as large as it can be. On a private cluster the
 untracked and the wake-ups-on runs are repeated with PostgreSQL's durable defaults (fsync,
 full_page_writes, synchronous_commit on), as a production server runs.
+
+Before the pgbench runs, `relay_cost_per_row` times single-row statements in one session on
+the server, untracked and tracked: the relay's own cost per changed row, without pgbench's
+run-to-run noise.
 """
 
 from __future__ import annotations
