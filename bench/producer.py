@@ -276,7 +276,7 @@ async def run_producer(
     """tps of each mode and the ratios to the untracked table (and, on a private cluster, the
     same ratio with durable settings).
 
-    Single runs on this machine vary by +-25 % from one to the next, so the modes run in
+    Single runs on this machine vary by up to 45 % from one to the next, so the modes run in
     `rounds` interleaved rounds (every mode once per round) and each figure is the median of its
     runs; the runs themselves are kept in the result.
     """

@@ -101,6 +101,14 @@ class Databases:
         self.created.append(name)
         return with_dbname(self.server_dsn, name)
 
+    def create_empty(self) -> str:
+        """A brand-new database without any migration; returns its DSN."""
+        name = f"ss_empty_{uuid.uuid4().hex[:10]}"
+        with self._admin() as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        self.created.append(name)
+        return with_dbname(self.server_dsn, name)
+
     def drop_all(self) -> None:
         """Drop every database this object made, templates last."""
         with self._admin() as conn:
@@ -147,6 +155,12 @@ def private_databases(private_cluster: PrivateCluster) -> Iterator[Databases]:
 def backend_dsn(databases: Databases) -> str:
     """A fresh backend database: the outbox, the relay and the voicebot tables."""
     return databases.create("backend")
+
+
+@pytest.fixture
+def empty_dsn(databases: Databases) -> str:
+    """A brand-new database without any migration (dropped with the session's databases)."""
+    return databases.create_empty()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import contextlib
 import os
 import re
 import socket
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,14 +19,11 @@ import psycopg
 import pytest
 from aiohttp import web
 from psycopg import conninfo
-from psycopg import sql as psql
 
 from consumer import migrations
-from consumer.db import with_dbname
 from consumer.devdb import Server, free_port
 from tests.conftest import (
     CliResult,
-    Databases,
     cli_env,
     fetch_all,
     fetch_value,
@@ -578,16 +574,6 @@ async def test_a_missing_database_is_one_line_naming_it_without_the_password(
 
 
 # -- migrations ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def empty_dsn(databases: Databases) -> str:
-    """A brand-new database without any migration (dropped with the session's databases)."""
-    name = f"ss_empty_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(databases.server_dsn, autocommit=True) as conn:
-        conn.execute(psql.SQL("CREATE DATABASE {}").format(psql.Identifier(name)))
-    databases.created.append(name)
-    return with_dbname(databases.server_dsn, name)
 
 
 def expected_migrations(components: list[str]) -> list[tuple[str, str]]:

@@ -3,15 +3,11 @@ relay; nothing written before is lost, reordered or delivered twice, and the rel
 
 from __future__ import annotations
 
-import uuid
-
 import psycopg
 import pytest
-from psycopg import sql
 
 from consumer import migrations
-from consumer.db import with_dbname
-from tests.conftest import Databases, fetch_all, make_settings, running_consumer, wait_until
+from tests.conftest import fetch_all, make_settings, running_consumer, wait_until
 from tests.helpers_processes import insert_calls
 
 OUTBOX = "SELECT o.txid::text, o.seq, o.op, o.entity_id, o.payload::text FROM sync.events_outbox o"
@@ -27,16 +23,12 @@ async def _delivered_through(receiver_url: str, dsn: str, total: int) -> None:
 
 
 async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
-    databases: Databases,
+    empty_dsn: str,
     receiver_dsn: str,
     receiver_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    name = f"ss_upgrade_{uuid.uuid4().hex[:10]}"
-    async with await psycopg.AsyncConnection.connect(databases.server_dsn, autocommit=True) as c:
-        await c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    databases.created.append(name)
-    dsn = with_dbname(databases.server_dsn, name)
+    dsn = empty_dsn
 
     # A database as 0005 left it, with a consumer that delivered part of the outbox.
     everything = migrations.available
