@@ -164,6 +164,11 @@ def _summary(result: dict[str, Any]) -> str:
             if "batches_per_sec" in f:
                 extra = f"  {f['batches_per_sec']:,.0f} batches/s" + extra
             lines.append(f"  {label:24} {f['events_per_sec']:>12,.0f} events/s{extra}")
+            if f.get("cpu_us_per_event"):
+                lines.append(
+                    f"  {'':24} CPU us/event: "
+                    + ", ".join(f"{k} {v}" for k, v in f["cpu_us_per_event"].items())
+                )
         lines.append("  ratios: " + ", ".join(f"{k} {v}" for k, v in d["ratios"].items()))
     for run in result.get("latency", []):
         lines.append(

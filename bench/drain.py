@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from psycopg.types.json import Jsonb
 
 from bench.harness import (
     BenchEnv,
+    cpu_meter,
     execute,
     ingest_server,
     outbox_end,
@@ -49,19 +51,31 @@ async def in_database_ceiling(env: BenchEnv) -> dict[str, Any]:
         " deleted boolean NOT NULL, payload jsonb, source_created_at timestamptz,"
         " applied_at timestamptz NOT NULL, PRIMARY KEY (entity_type, entity_id))",
     )
-    started = time.perf_counter()
-    rows = await execute(
-        env.backend,
-        "WITH applied AS (INSERT INTO bench_ref_entities AS t SELECT entity_type, entity_id, seq,"
-        " op = 'delete', payload, created_at, now() FROM sync.events_outbox"
-        " ON CONFLICT (entity_type, entity_id) DO UPDATE SET seq = EXCLUDED.seq,"
-        " deleted = EXCLUDED.deleted, payload = EXCLUDED.payload,"
-        " source_created_at = EXCLUDED.source_created_at, applied_at = EXCLUDED.applied_at"
-        " WHERE t.seq < EXCLUDED.seq RETURNING 1) SELECT count(*) FROM applied",
-    )
-    seconds = time.perf_counter() - started
+    # Its own connection, open across the CPU window (a backend that ends inside it is lost).
+    work = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
+    async with work, cpu_meter(env, {}) as meter:
+        await meter.mark()
+        started = time.perf_counter()
+        cur = await work.execute(
+            "WITH applied AS (INSERT INTO bench_ref_entities AS t SELECT entity_type, entity_id,"
+            " seq, op = 'delete', payload, created_at, now() FROM sync.events_outbox"
+            " ON CONFLICT (entity_type, entity_id) DO UPDATE SET seq = EXCLUDED.seq,"
+            " deleted = EXCLUDED.deleted, payload = EXCLUDED.payload,"
+            " source_created_at = EXCLUDED.source_created_at, applied_at = EXCLUDED.applied_at"
+            " WHERE t.seq < EXCLUDED.seq RETURNING 1) SELECT count(*) FROM applied",
+        )
+        seconds = time.perf_counter() - started
+        row = await cur.fetchone()
+        assert row is not None
+        events = int(row[0])
+        cpu = await meter.per_event(events)
     await execute(env.backend, "DROP TABLE bench_ref_entities")
-    return {"events": rows[0][0], "seconds": seconds, "events_per_sec": rows[0][0] / seconds}
+    return {
+        "events": events,
+        "seconds": seconds,
+        "events_per_sec": events / seconds,
+        "cpu_us_per_event": cpu,
+    }
 
 
 async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
@@ -81,7 +95,8 @@ async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
     target = await psycopg.AsyncConnection.connect(env.frontend, **connect_kwargs("bench-loop"))
     events = batches = 0
     position = Position.start()
-    async with source, target:
+    async with source, target, cpu_meter(env, {"python": os.getpid()}) as meter:
+        await meter.mark()
         started = time.perf_counter()
         while True:
             cur = await source.execute(
@@ -109,11 +124,13 @@ async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
             events += len(rows)
             batches += 1
         seconds = time.perf_counter() - started
+        cpu = await meter.per_event(events)
     return {
         "events": events,
         "batches": batches,
         "seconds": seconds,
         "events_per_sec": events / seconds,
+        "cpu_us_per_event": cpu,
     }
 
 
@@ -124,7 +141,8 @@ async def read_walk(env: BenchEnv, batch_size: int) -> dict[str, Any]:
     )
     events = 0
     position = Position.start()
-    async with conn:
+    async with conn, cpu_meter(env, {"python": os.getpid()}) as meter:
+        await meter.mark()
         started = time.perf_counter()
         while True:
             cur = await conn.execute(
@@ -142,7 +160,13 @@ async def read_walk(env: BenchEnv, batch_size: int) -> dict[str, Any]:
             position = Position(int(rows[-1][0]), rows[-1][1])
             events += len(rows)
         seconds = time.perf_counter() - started
-    return {"events": events, "seconds": seconds, "events_per_sec": events / seconds}
+        cpu = await meter.per_event(events)
+    return {
+        "events": events,
+        "seconds": seconds,
+        "events_per_sec": events / seconds,
+        "cpu_us_per_event": cpu,
+    }
 
 
 async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> dict[str, Any]:
@@ -156,7 +180,10 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
     )
     end = await outbox_end(env.backend)
     total = (await execute(env.backend, "SELECT count(*) FROM sync.events_outbox"))[0][0]
-    async with ingest_server(env) as (url, receiver):
+    # One connection for all the polling: a connection per poll would cost the server a
+    # backend start every 20 ms, on the cores the product runs on.
+    monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
+    async with monitor, ingest_server(env) as (url, receiver):
         consumer = start_service(
             ["run", "frontend-sync", "--sink", "null" if sink == "null" else "default"],
             {
@@ -167,37 +194,49 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
             },
             env.workdir / f"consumer-{sink}.log",
         )
+        processes = {"consumer": consumer.pid}
+        if sink == "http":
+            processes["receiver"] = receiver.pid
         last_report = time.monotonic()
+        # CPU is measured from the first delivered batch on: start-up is not the drain's.
+        delivered_at_mark: int | None = None
         try:
+            async with cpu_meter(env, processes) as meter:
 
-            async def drained() -> bool:
-                nonlocal last_report
-                rows = await execute(
-                    env.backend,
-                    "SELECT last_txid::text, last_seq, delivered_total FROM sync.consumer_offsets"
-                    " WHERE consumer = 'frontend-sync'",
+                async def drained() -> bool:
+                    nonlocal last_report, delivered_at_mark
+                    cur = await monitor.execute(
+                        "SELECT last_txid::text, last_seq, delivered_total"
+                        " FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
+                    )
+                    row = await cur.fetchone()
+                    assert row is not None
+                    if delivered_at_mark is None and row[2] > 0:
+                        await meter.mark()
+                        delivered_at_mark = row[2]
+                    if time.monotonic() - last_report > 2:
+                        last_report = time.monotonic()
+                        progress(f"  {sink}: {row[2]:,}/{total:,} delivered")
+                    return Position(int(row[0]), row[1]) >= end
+
+                await wait_for(
+                    drained,
+                    timeout=timeout,
+                    what=f"the {sink} drain",
+                    every=0.02,
+                    watching=[consumer, receiver],
                 )
-                if time.monotonic() - last_report > 2:
-                    last_report = time.monotonic()
-                    progress(f"  {sink}: {rows[0][2]:,}/{total:,} delivered")
-                return Position(int(rows[0][0]), rows[0][1]) >= end
-
-            await wait_for(
-                drained,
-                timeout=timeout,
-                what=f"the {sink} drain",
-                every=0.02,
-                watching=[consumer, receiver],
-            )
+                # From taking the lead to the last offset commit: process start-up excluded.
+                cur = await monitor.execute(
+                    "SELECT extract(epoch FROM updated_at - leader_since)::float8, delivered_total"
+                    " FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
+                )
+                row = await cur.fetchone()
+                assert row is not None and delivered_at_mark is not None
+                seconds, delivered = row
+                cpu = await meter.per_event(delivered - delivered_at_mark)
             consumer_rss = peak_rss_mb(consumer.pid)
             receiver_rss = peak_rss_mb(receiver.pid)
-            # From taking the lead to the last offset commit: process start-up excluded.
-            rows = await execute(
-                env.backend,
-                "SELECT extract(epoch FROM updated_at - leader_since)::float8, delivered_total"
-                " FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'",
-            )
-            seconds, delivered = rows[0]
         finally:
             consumer.stop()
     if sink == "http":
@@ -218,4 +257,5 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
         "batches_per_sec": math.ceil(delivered / batch_size) / seconds,
         "consumer_peak_rss_mb": round(consumer_rss, 1),
         "receiver_peak_rss_mb": round(receiver_rss, 1) if sink == "http" else None,
+        "cpu_us_per_event": cpu,
     }

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import psycopg
+from psycopg import conninfo
 
 from consumer.devdb import (
     Server,
@@ -111,6 +112,91 @@ def peak_rss_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds a process has used so far; None if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class CpuMeter:
+    """Where the CPU of a run goes: the given processes, and PostgreSQL's processes by the
+    database they serve (background processes under "other"), read from /proc.
+
+    `mark()` starts a window, `per_event(events)` ends it: CPU microseconds per event of each
+    part. PostgreSQL is measured only for a server on this machine (how the bench runs). A
+    backend that ends inside the window loses its share, so the measured work must keep its
+    connections open until the window ends.
+    """
+
+    def __init__(
+        self,
+        monitor: psycopg.AsyncConnection[Any],
+        processes: dict[str, int],
+        databases: dict[str, str],
+        *,
+        local_server: bool,
+    ) -> None:
+        self._monitor = monitor
+        self._processes = processes
+        self._databases = databases
+        self._local_server = local_server
+        self._start: dict[int, tuple[str, float]] = {}
+
+    async def _sample(self) -> dict[int, tuple[str, float]]:
+        pids: dict[int, str] = {pid: name for name, pid in self._processes.items()}
+        if self._local_server:
+            cur = await self._monitor.execute(
+                "SELECT pid, datname FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            )
+            for pid, datname in await cur.fetchall():
+                pids.setdefault(pid, "postgres " + self._databases.get(datname, "other"))
+        sample = {}
+        for pid, name in pids.items():
+            seconds = process_cpu_seconds(pid)
+            if seconds is not None:
+                sample[pid] = (name, seconds)
+        return sample
+
+    async def mark(self) -> None:
+        """Start the window here."""
+        self._start = await self._sample()
+
+    async def per_event(self, events: int) -> dict[str, float]:
+        """End the window: CPU microseconds per event of each part since `mark()`, and the
+        total of all parts."""
+        used: dict[str, float] = {}
+        for pid, (name, seconds) in (await self._sample()).items():
+            used[name] = used.get(name, 0.0) + seconds - self._start.get(pid, (name, 0.0))[1]
+        figures = {name: round(s * 1e6 / max(events, 1), 2) for name, s in sorted(used.items())}
+        figures["total"] = round(sum(used.values()) * 1e6 / max(events, 1), 2)
+        return figures
+
+
+@contextlib.asynccontextmanager
+async def cpu_meter(env: BenchEnv, processes: dict[str, int]) -> AsyncIterator[CpuMeter]:
+    """A CpuMeter with its own monitoring connection to the bench's server."""
+    monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
+    async with monitor:
+        yield CpuMeter(
+            monitor,
+            processes,
+            {BACKEND_DB: "backend", FRONTEND_DB: "receiver"},
+            local_server=server_is_local(env.backend),
+        )
+
+
+def server_is_local(dsn: str) -> bool:
+    """Whether the server of `dsn` runs on this machine (its processes are in /proc)."""
+    host = str(conninfo.conninfo_to_dict(dsn).get("host") or "")
+    return host in ("", "localhost", "127.0.0.1", "::1") or host.startswith("/")
 
 
 @dataclass
