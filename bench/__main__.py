@@ -178,8 +178,12 @@ def _summary(result: dict[str, Any]) -> str:
     if "producer" in result:
         p = result["producer"]
         lines.append(f"producer cost at {p['clients']} connections (tps, ratio to untracked):")
+        cpu = p.get("cpu_us_per_tx", {})
         for key, tps in p["tps"].items():
-            lines.append(f"  {key:26} {tps:>10,.0f}  {p['ratio_to_untracked'][key]:.3f}")
+            line = f"  {key:26} {tps:>10,.0f}  {p['ratio_to_untracked'][key]:.3f}"
+            if key in cpu:
+                line += "  CPU us/tx: " + ", ".join(f"{k} {v}" for k, v in cpu[key].items())
+            lines.append(line)
         cost = p["relay_cost"]
         us = cost["us_per_statement"]
         lines.append(

@@ -117,13 +117,28 @@ def peak_rss_mb(pid: int) -> float:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU seconds a process has used so far; None if it is gone."""
+def _stat_fields(pid: int | str) -> list[str] | None:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds a process has used so far; None if it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def machine_cpu() -> tuple[float, float]:
+    """CPU seconds all of this machine's CPUs have been busy so far (user, nice, system, irq,
+    softirq), and the seconds the hypervisor took from them (steal): a run's share of the
+    second says how far its figures are the machine's own."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
+    return (user + nice + system + irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS
 
 
 class CpuMeter:

@@ -18,6 +18,7 @@ run-to-run noise.
 from __future__ import annotations
 
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -31,7 +32,9 @@ from bench.harness import (
     BenchEnv,
     Service,
     execute,
+    machine_cpu,
     outbox_end,
+    process_cpu_seconds,
     progress,
     start_service,
     wait_for,
@@ -74,7 +77,10 @@ async def _prepare(env: BenchEnv) -> None:
     await execute(env.backend, "SELECT sync.track('public.bench_tracked', 'bench_item')")
 
 
-def _pgbench(env: BenchEnv, table: str, seconds: int, clients: int, notify: str) -> float:
+def _pgbench(
+    env: BenchEnv, table: str, seconds: int, clients: int, notify: str
+) -> tuple[float, int]:
+    """tps and the number of transactions of one pgbench run."""
     params = conninfo.conninfo_to_dict(env.backend)
     folder: Path = env.workdir
     (folder / f"insert_{table}.sql").write_text(INSERT_SCRIPT.format(table=table))
@@ -111,10 +117,11 @@ def _pgbench(env: BenchEnv, table: str, seconds: int, clients: int, notify: str)
             **({"PGPASSWORD": str(params["password"])} if "password" in params else {}),
         },
     )
-    match = re.search(r"tps = ([0-9.]+)", result.stdout)
-    if result.returncode != 0 or not match:
+    tps = re.search(r"tps = ([0-9.]+)", result.stdout)
+    done = re.search(r"number of transactions actually processed: ([0-9]+)", result.stdout)
+    if result.returncode != 0 or not tps or not done:
         raise RuntimeError(f"pgbench failed: {result.stderr.strip() or result.stdout.strip()}")
-    return float(match.group(1))
+    return float(tps.group(1)), int(done.group(1))
 
 
 def _durable(env: BenchEnv, on: bool) -> None:
@@ -184,7 +191,17 @@ async def _caught_up(env: BenchEnv, consumer: Service) -> None:
     )
 
 
-async def _run_mode(env: BenchEnv, mode: Mode, seconds: int, clients: int, round_: int) -> float:
+def _children_cpu_seconds() -> float:
+    """CPU seconds of this process's children that have ended (pgbench, once it returns)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _run_mode(
+    env: BenchEnv, mode: Mode, seconds: int, clients: int, round_: int
+) -> tuple[float, dict[str, float]]:
+    """tps of one run of `mode`, and the machine's CPU microseconds per transaction: PostgreSQL
+    (with whatever else ran), pgbench, the consumer, their total, and the hypervisor's steal."""
     consumer = None
     if mode.consumer is not None:
         consumer = start_service(
@@ -200,7 +217,26 @@ async def _run_mode(env: BenchEnv, mode: Mode, seconds: int, clients: int, round
         await _caught_up(env, consumer)
     try:
         progress(f"  producer: {mode.name} for {seconds}s at {clients} connections")
-        return _pgbench(env, mode.table, seconds, clients, mode.notify)
+        # pgbench ends its backends as it exits, so their CPU cannot be read per process
+        # afterwards: the machine's busy time is, less pgbench and the consumer, PostgreSQL's
+        # (the bench itself sleeps meanwhile).
+        machine_before = machine_cpu()
+        pgbench_before = _children_cpu_seconds()
+        consumer_before = process_cpu_seconds(consumer.pid) if consumer is not None else None
+        tps, transactions = _pgbench(env, mode.table, seconds, clients, mode.notify)
+        machine_after = machine_cpu()
+        used = {"pgbench": _children_cpu_seconds() - pgbench_before}
+        if consumer is not None and consumer_before is not None:
+            used["consumer"] = (process_cpu_seconds(consumer.pid) or 0.0) - consumer_before
+        busy = machine_after[0] - machine_before[0]
+        used = {"postgres": busy - sum(used.values()), **used, "total": busy}
+        used["steal"] = machine_after[1] - machine_before[1]
+        cpu = {part: seconds_ * 1e6 / transactions for part, seconds_ in used.items()}
+        progress(
+            f"    {tps:,.0f} tps; CPU us per transaction: "
+            + ", ".join(f"{part} {us:.1f}" for part, us in cpu.items())
+        )
+        return tps, cpu
     finally:
         if consumer is not None:
             consumer.stop()
@@ -283,6 +319,7 @@ async def run_producer(
     await _prepare(env)
     per_row = await relay_cost_per_row(env, statements=statements, rounds=max(rounds, 3))
     runs: dict[str, list[float]] = {}
+    cpu_runs: dict[str, list[dict[str, float]]] = {}
     blocks = [MODES]
     if env.server.cluster is not None:
         blocks.append(DURABLE_MODES)
@@ -292,8 +329,9 @@ async def run_producer(
         for round_ in range(rounds):
             progress(f"producer: round {round_ + 1}/{rounds}")
             for mode in block:
-                tps = await _run_mode(env, mode, seconds, clients, round_)
+                tps, cpu = await _run_mode(env, mode, seconds, clients, round_)
                 runs.setdefault(mode.name, []).append(round(tps, 1))
+                cpu_runs.setdefault(mode.name, []).append(cpu)
         if block[0].durable:
             _durable(env, False)
     figures = {name: statistics.median(values) for name, values in runs.items()}
@@ -308,5 +346,13 @@ async def run_producer(
         "tps": {k: round(v, 1) for k, v in figures.items()},
         "tps_runs": runs,
         "ratio_to_untracked": {k: round(v / base(k), 3) for k, v in figures.items()},
+        # Medians over the rounds, part by part: where each mode's CPU per transaction goes.
+        "cpu_us_per_tx": {
+            name: {
+                part: round(statistics.median(run[part] for run in cpus if part in run), 1)
+                for part in cpus[0]
+            }
+            for name, cpus in cpu_runs.items()
+        },
         "relay_cost": per_row,
     }
