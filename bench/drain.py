@@ -232,9 +232,11 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
                     " FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
                 )
                 row = await cur.fetchone()
-                assert row is not None and delivered_at_mark is not None
+                assert row is not None
                 seconds, delivered = row
-                cpu = await meter.per_event(delivered - delivered_at_mark)
+                # None when the whole drain fell between two polls (tiny backlogs).
+                measured = delivered - (delivered_at_mark or delivered)
+                cpu = await meter.per_event(measured) if measured else None
             consumer_rss = peak_rss_mb(consumer.pid)
             receiver_rss = peak_rss_mb(receiver.pid)
         finally:

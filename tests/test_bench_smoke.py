@@ -46,8 +46,15 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
     for key in ("in_database", "python_loop", "read_walk", "product_http", "product_null"):
         assert drain[key]["events_per_sec"] > 0
     assert drain["product_http"]["consumer_peak_rss_mb"] > 0
+    # Where the CPU went: the references always say it (the product only when its drain
+    # spans more than one poll, which 3,000 events may not).
+    assert {"python", "postgres backend", "total"} <= set(drain["python_loop"]["cpu_us_per_event"])
+    assert "CPU us/event" in result.stdout
     assert {run["mode"] for run in figures["latency"]} == {"notify", "poll-only"}
     assert set(figures["producer"]["tps"]) >= {"untracked", "tracked_wakeups_on"}
+    cpu = figures["producer"]["cpu_us_per_tx"]
+    assert cpu["untracked"]["total"] > 0
+    assert {"postgres", "pgbench", "consumer", "total", "steal"} <= set(cpu["tracked_wakeups_on"])
     assert "producer_tracked_wakeups_on_ratio" in figures["targets"]
     relay = figures["producer"]["relay_cost"]["us_per_statement"]
     kinds = {f"{op}_{table}" for op in ("insert", "update") for table in ("untracked", "tracked")}
