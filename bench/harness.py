@@ -134,8 +134,8 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 def machine_cpu() -> tuple[float, float]:
     """CPU seconds all of this machine's CPUs have been busy so far (user, nice, system, irq,
-    softirq), and the seconds the hypervisor took from them (steal): a run's share of the
-    second says how far its figures are the machine's own."""
+    softirq), and the seconds the hypervisor gave to other guests while this one wanted to run
+    (steal): a run with much steal measured a machine slower than usual."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
     return (user + nice + system + irq + softirq) / CLOCK_TICKS, steal / CLOCK_TICKS

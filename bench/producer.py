@@ -10,6 +10,10 @@ pure CPU and the trigger's share of it is as large as it can be. On a private cl
 untracked and the wake-ups-on runs are repeated with PostgreSQL's durable defaults (fsync,
 full_page_writes, synchronous_commit on), as a production server runs.
 
+Every run also reports the machine's CPU per transaction (`cpu_us_per_tx`): pgbench's, the
+consumer's, and the rest, which is PostgreSQL's; the machine is CPU-bound in these runs, so that
+figure says where each mode's transactions went.
+
 Before the pgbench runs, `relay_cost_per_row` times single-row statements in one session on
 the server, untracked and tracked: the relay's own cost per changed row, without pgbench's
 run-to-run noise.
