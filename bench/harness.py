@@ -142,8 +142,8 @@ def machine_cpu() -> tuple[float, float]:
 
 
 class CpuMeter:
-    """Where the CPU of a run goes: the given processes, and PostgreSQL's processes by the
-    database they serve (background processes under "other"), read from /proc.
+    """Where the CPU of a run goes: the given processes, PostgreSQL's sessions by the database
+    they serve, and its background processes (autovacuum included), read from /proc.
 
     `mark()` starts a window, `per_event(events)` ends it: CPU microseconds per event of each
     part. PostgreSQL is measured only for a server on this machine (how the bench runs). A
@@ -169,10 +169,14 @@ class CpuMeter:
         pids: dict[int, str] = {pid: name for name, pid in self._processes.items()}
         if self._local_server:
             cur = await self._monitor.execute(
-                "SELECT pid, datname FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+                "SELECT pid, datname, backend_type = 'client backend' FROM pg_stat_activity"
+                " WHERE pid <> pg_backend_pid()"
             )
-            for pid, datname in await cur.fetchall():
-                pids.setdefault(pid, "postgres " + self._databases.get(datname, "other"))
+            for pid, datname, client in await cur.fetchall():
+                # Sessions by the database they serve; autovacuum and the server's own
+                # processes apart, whatever database they work on.
+                part = self._databases.get(datname, "other") if client else "background"
+                pids.setdefault(pid, "postgres " + part)
         sample = {}
         for pid, name in pids.items():
             seconds = process_cpu_seconds(pid)
