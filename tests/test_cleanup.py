@@ -57,6 +57,11 @@ def batch_logs(result: CliResult, table: str) -> list[dict[str, Any]]:
 # -- backend data --------------------------------------------------------------------------------
 
 
+# A position past every row any test writes. Not a "large" real txid: a shared server's
+# transaction counter passes any such number in time (this one passed 10**7 here).
+PAST_EVERYTHING = Position(2**62, 0)
+
+
 async def add_rows(dsn: str, n: int, *, age: str = "0 days", txid: int | None = None) -> None:
     """`n` outbox rows in one statement, created `age` ago, of the given (or this) transaction."""
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
@@ -232,7 +237,7 @@ async def test_cleanup_never_deletes_an_event_an_unfinished_consumer_needs(
             *old,
             *(Position(t, 0) for t in SYNTHETIC_TXIDS),  # before every row of that transaction
             *(Position(t, 2**62) for t in SYNTHETIC_TXIDS),  # after every row of it
-            Position(10**7, 0),  # past everything
+            PAST_EVERYTHING,
         ]
         placed = {name: rng.choice(candidates) for name in names}
         for name, at in placed.items():
@@ -443,7 +448,7 @@ def test_durations() -> None:
 
 async def test_a_bad_option_is_an_error_naming_it_and_exit_2(backend_dsn: str) -> None:
     await add_rows(backend_dsn, 3, age=OLD)
-    await place(backend_dsn, "audit", Position(10**7, 0))
+    await place(backend_dsn, "audit", PAST_EVERYTHING)
     cases = [
         (["--older-than", "3x"], "--older-than", "not a duration: '3x'"),
         (["--older-than=-5d"], "--older-than", "not a duration: '-5d'"),
@@ -588,7 +593,7 @@ async def test_consumers_remove_refuses_while_a_standby_waits(
 
 async def test_a_second_cleanup_at_the_same_time_is_refused(backend_dsn: str) -> None:
     await add_rows(backend_dsn, 4, age=OLD)
-    await place(backend_dsn, "audit", Position(10**7, 0))
+    await place(backend_dsn, "audit", PAST_EVERYTHING)
     running = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
     async with running:
         # What a running cleanup holds for as long as it runs.
