@@ -229,11 +229,13 @@ async def _run_mode(
         consumer_before = process_cpu_seconds(consumer.pid) if consumer is not None else None
         tps, transactions = _pgbench(env, mode.table, seconds, clients, mode.notify)
         machine_after = machine_cpu()
-        used = {"pgbench": _children_cpu_seconds() - pgbench_before}
+        busy = machine_after[0] - machine_before[0]
+        pgbench_used = _children_cpu_seconds() - pgbench_before
+        used = {"postgres": busy - pgbench_used, "pgbench": pgbench_used}
         if consumer is not None and consumer_before is not None:
             used["consumer"] = (process_cpu_seconds(consumer.pid) or 0.0) - consumer_before
-        busy = machine_after[0] - machine_before[0]
-        used = {"postgres": busy - sum(used.values()), **used, "total": busy}
+            used["postgres"] -= used["consumer"]
+        used["total"] = busy
         used["steal"] = machine_after[1] - machine_before[1]
         cpu = {part: seconds_ * 1e6 / transactions for part, seconds_ in used.items()}
         progress(
@@ -352,10 +354,7 @@ async def run_producer(
         "ratio_to_untracked": {k: round(v / base(k), 3) for k, v in figures.items()},
         # Medians over the rounds, part by part: where each mode's CPU per transaction goes.
         "cpu_us_per_tx": {
-            name: {
-                part: round(statistics.median(run[part] for run in cpus if part in run), 1)
-                for part in cpus[0]
-            }
+            name: {part: round(statistics.median(run[part] for run in cpus), 1) for part in cpus[0]}
             for name, cpus in cpu_runs.items()
         },
         "relay_cost": per_row,

@@ -90,22 +90,18 @@ class Databases:
 
     def create(self, kind: str) -> str:
         """A fresh database copied from the template; returns its DSN."""
-        template = self.template(kind)
-        name = f"ss_{kind}_{uuid.uuid4().hex[:10]}"
-        with self._admin() as conn:
-            conn.execute(
-                sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-                    sql.Identifier(name), sql.Identifier(template)
-                )
-            )
-        self.created.append(name)
-        return with_dbname(self.server_dsn, name)
+        return self._create(f"ss_{kind}_{uuid.uuid4().hex[:10]}", self.template(kind))
 
     def create_empty(self) -> str:
         """A brand-new database without any migration; returns its DSN."""
-        name = f"ss_empty_{uuid.uuid4().hex[:10]}"
+        return self._create(f"ss_empty_{uuid.uuid4().hex[:10]}", None)
+
+    def _create(self, name: str, template: str | None) -> str:
+        statement = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+        if template is not None:
+            statement += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
         with self._admin() as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            conn.execute(statement)
         self.created.append(name)
         return with_dbname(self.server_dsn, name)
 
