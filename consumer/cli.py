@@ -307,6 +307,11 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _backlog(row: dict[str, Any]) -> str:
+    # "~" marks a backlog too large to count on every look (admin.EXACT_BACKLOG_UP_TO).
+    return f"~{row['backlog']}" if row["backlog_estimated"] else str(row["backlog"])
+
+
 def _leader(row: dict[str, Any]) -> str:
     if not row["running"]:
         return "none"
@@ -365,7 +370,7 @@ async def _status_report(conn: Any, args: argparse.Namespace) -> str:
                     r["consumer"],
                     _leader(r),
                     str(r["last_seq"]),
-                    str(r["backlog"]),
+                    _backlog(r),
                     _age(r["lag_seconds"]),
                     str(r["delivered_total"]),
                     str(r["dlq_pending"] + r["dlq_retrying"]),
@@ -425,7 +430,7 @@ async def _offsets(settings: SyncSettings, args: argparse.Namespace) -> int:
                             r["consumer"],
                             str(r["last_seq"]),
                             f"{r['last_txid']}/{r['last_seq']}",
-                            str(r["backlog"]),
+                            _backlog(r),
                             r["updated_at"].isoformat(timespec="seconds"),
                             "yes" if r["running"] else "no",
                         ]
@@ -615,7 +620,7 @@ async def _consumers(settings: SyncSettings, args: argparse.Namespace) -> int:
                                 f"{r['last_txid']}/{r['last_seq']}",
                                 _leader(r),
                                 _when(r["updated_at"]),
-                                str(r["backlog"]),
+                                _backlog(r),
                             ]
                             for r in rows
                         ],

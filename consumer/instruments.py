@@ -64,7 +64,8 @@ LEADER = _meter.create_gauge(
     "serversync.leader", description="1 while this process leads its consumer, else 0"
 )
 BACKLOG = _meter.create_gauge(
-    "serversync.backlog.events", description="Events in the outbox the consumer has not passed"
+    "serversync.backlog.events",
+    description="Events in the outbox the consumer has not passed (estimated beyond 10,000)",
 )
 LAG = _meter.create_gauge(
     "serversync.lag", description="Age of the oldest event the consumer has not passed", unit="s"

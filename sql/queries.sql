@@ -94,6 +94,17 @@ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
 
 -- name: consumer_status
 -- Per consumer: its position, what is still to deliver, and whether a leader holds its lock.
+--
+-- The backlog is counted exactly up to exact_up_to events and estimated beyond, from seq
+-- numbers as PgQ does (`backlog_estimated`): the gauges run this every few seconds, and an exact
+-- count scans the whole backlog, which made a consumer draining a large backlog count it again
+-- and again (a million-event backlog cost the drain a second heap fetch per event). The
+-- estimate runs from the smallest seq among the first events in delivery order to the newest
+-- row's seq, so rows removed by retention do not count, while seqs that rolled-back
+-- transactions took do. The lag is the age of the oldest of those first events.
+WITH newest AS MATERIALIZED (
+    SELECT o.seq FROM sync.events_outbox o ORDER BY o.txid DESC, o.seq DESC LIMIT 1
+)
 SELECT c.consumer,
        c.last_txid::text AS last_txid,
        c.last_seq,
@@ -106,7 +117,10 @@ SELECT c.consumer,
        c.last_error,
        c.last_error_at,
        lock.pid AS lock_backend_pid,
-       pending.backlog,
+       CASE WHEN pending.counted <= %(exact_up_to)s::bigint THEN pending.counted
+            ELSE greatest(pending.counted, (SELECT seq FROM newest) - pending.first_seq + 1)
+       END AS backlog,
+       pending.counted > %(exact_up_to)s::bigint AS backlog_estimated,
        pending.oldest_created_at,
        extract(epoch FROM now() - pending.oldest_created_at)::float8 AS lag_seconds,
        dlq.dlq_pending,
@@ -124,9 +138,15 @@ LEFT JOIN LATERAL (
     LIMIT 1
 ) lock ON true
 CROSS JOIN LATERAL (
-    SELECT count(*) AS backlog, min(o.created_at) AS oldest_created_at
-    FROM sync.events_outbox o
-    WHERE (o.txid, o.seq) > (c.last_txid, c.last_seq)
+    SELECT count(*) AS counted, min(first.seq) AS first_seq,
+           min(first.created_at) AS oldest_created_at
+    FROM (
+        SELECT o.seq, o.created_at
+        FROM sync.events_outbox o
+        WHERE (o.txid, o.seq) > (c.last_txid, c.last_seq)
+        ORDER BY o.txid, o.seq
+        LIMIT %(exact_up_to)s::bigint + 1
+    ) first
 ) pending
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE d.status = 'PENDING') AS dlq_pending,

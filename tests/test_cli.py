@@ -22,6 +22,7 @@ from psycopg import conninfo
 
 from consumer import migrations
 from consumer.devdb import Server, free_port
+from consumer.store import admin
 from tests.conftest import (
     CliResult,
     cli_env,
@@ -450,6 +451,46 @@ async def test_status_shows_backlog_lag_and_leader(backend_dsn: str) -> None:
     assert row["backlog"] == 3
     assert 0 < row["lag_seconds"] < 60
     assert_one_line_error(unknown, 1, "no consumer named 'nope'")
+
+
+async def test_a_backlog_too_large_to_count_each_time_is_estimated_from_seqs(
+    backend_dsn: str,
+) -> None:
+    """Beyond admin.EXACT_BACKLOG_UP_TO events the backlog is estimated from seq numbers, so the
+    gauges (which read it every few seconds while a backlog drains) cost the same at any size;
+    the estimate counts the seqs of rolled-back transactions, and says that it is one."""
+    half = admin.EXACT_BACKLOG_UP_TO // 2 + 25
+    await register(backend_dsn)
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        insert = (
+            "INSERT INTO call_logs (caller_number, callee_number)"
+            " SELECT %s || g, 'x' FROM generate_series(1, %s) g"
+        )
+        await conn.execute(insert, ("first-", half))
+        with contextlib.suppress(RuntimeError):
+            async with conn.transaction():
+                await conn.execute(insert, ("rolled-back-", 7))
+                raise RuntimeError("roll back")
+        await conn.execute(insert, ("second-", half))
+    await add_events(backend_dsn, 0)  # wait until every event is final
+    events = 2 * half
+
+    env = cli_env(DATABASE_URL=backend_dsn)
+    as_json, text = await run_many(["status", "--json"], ["status"], env=env)
+    assert_ok(as_json)
+    (row,) = orjson.loads(as_json.stdout)["consumers"]
+    assert (row["backlog"], row["backlog_estimated"]) == (events + 7, True)
+    assert 0 < row["lag_seconds"] < 60
+    assert_ok(text)
+    _, rows = table(text.stdout)
+    assert rows[CONSUMER][3] == f"~{events + 7}"
+
+    # Counted, it is exact: the rolled-back transaction left no event.
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        (counted,) = await admin.consumer_status(conn, CONSUMER, exact_up_to=events)
+    assert (counted["backlog"], counted["backlog_estimated"]) == (events, False)
 
 
 async def test_status_names_the_open_transaction_holding_the_horizon(backend_dsn: str) -> None:

@@ -19,12 +19,23 @@ class AdminError(Exception):
     """An operator command cannot be carried out; the message says why, in one line."""
 
 
+# Backlogs up to this many events are counted exactly; larger ones are estimated from seq
+# numbers (sql/queries.sql, consumer_status), so that reading them costs the same at any size.
+EXACT_BACKLOG_UP_TO = 10_000
+
+
 async def consumer_status(
-    conn: psycopg.AsyncConnection[Any], consumer: str | None = None
+    conn: psycopg.AsyncConnection[Any],
+    consumer: str | None = None,
+    *,
+    exact_up_to: int = EXACT_BACKLOG_UP_TO,
 ) -> list[dict[str, Any]]:
-    """One dict per consumer: position, backlog, lag, leader, last error."""
+    """One dict per consumer: position, backlog (exact up to `exact_up_to` events, else an
+    estimate, with `backlog_estimated` set), lag, leader, last error."""
     async with conn.cursor(row_factory=dict_row) as cur:
-        await cur.execute(query("consumer_status"), {"consumer": consumer})
+        await cur.execute(
+            query("consumer_status"), {"consumer": consumer, "exact_up_to": exact_up_to}
+        )
         rows = await cur.fetchall()
     for row in rows:
         row["running"] = row["lock_backend_pid"] is not None
