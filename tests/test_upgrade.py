@@ -1,12 +1,16 @@
-"""Upgrading a database that holds events: 0006 rebuilds the outbox's key and regenerates every
-relay; nothing written before is lost, reordered or delivered twice, and the relay works after."""
+"""Upgrading a database that holds data: backend 0006 rebuilds the outbox's key and regenerates
+every relay; nothing written before is lost, reordered or delivered twice, and the relay works
+after. Receiver 0002 re-collates the entity keys; stored entities and their versions stay."""
 
 from __future__ import annotations
 
+import orjson
 import psycopg
 import pytest
 
 from consumer import migrations
+from consumer.receiver.store import EntityStore
+from consumer.wiring import open_pool
 from tests.conftest import fetch_all, make_settings, running_consumer, wait_until
 from tests.helpers_processes import insert_calls
 
@@ -71,3 +75,56 @@ async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
         dsn, "SELECT delivered_total FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
     )
     assert delivered == [(35,)]
+
+
+def _entries(*entries: tuple[str, int, str]) -> bytes:
+    return orjson.dumps(
+        {
+            "entries": [
+                {
+                    "entityType": "call_log",
+                    "entityId": key,
+                    "op": "upsert",
+                    "seq": seq,
+                    "payload": {"status": status},
+                    "createdAt": "2026-11-26T00:00:00Z",
+                }
+                for key, seq, status in entries
+            ]
+        }
+    )
+
+
+async def test_upgrading_the_receiver_to_byte_order_keys_keeps_entities_and_their_versions(
+    empty_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0002 changes the key columns' collation and rebuilds the primary key: what was stored is
+    kept, and entries sent again after the upgrade still meet the stored versions."""
+    dsn = empty_dsn
+    everything = migrations.available
+    monkeypatch.setattr(migrations, "available", lambda component: everything(component)[:1])
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await migrations.migrate(conn, ["receiver"])
+    async with open_pool(dsn, "test-upgrade") as pool:
+        store = EntityStore(pool)
+        assert await store.apply(_entries(("b", 5, "old-b"), ("a", 3, "old-a"))) == 2
+
+        monkeypatch.undo()
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            applied = await migrations.migrate(conn, ["receiver"])
+        assert [m.version for m in applied] == ["0002"]
+
+        # A stale copy of "b" changes nothing; "a" moves on; "B" is a key of its own.
+        assert await store.apply(_entries(("b", 4, "stale"), ("a", 6, "new-a"), ("B", 1, "x"))) == 2
+    live = await fetch_all(
+        dsn,
+        "SELECT entity_id, seq, payload->>'status' FROM ingest.live_entities ORDER BY entity_id",
+    )
+    assert live == [("B", 1, "x"), ("a", 6, "new-a"), ("b", 5, "old-b")]
+    collations = await fetch_all(
+        dsn,
+        "SELECT a.attname, c.collname FROM pg_attribute a JOIN pg_collation c"
+        " ON c.oid = a.attcollation WHERE a.attrelid = 'ingest.entities'::regclass"
+        " AND a.attname IN ('entity_type', 'entity_id') ORDER BY 1",
+    )
+    assert collations == [("entity_id", "C"), ("entity_type", "C")]

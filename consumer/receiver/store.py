@@ -10,15 +10,16 @@ from psycopg_pool import AsyncConnectionPool
 # The whole request body goes to PostgreSQL as one jsonb parameter; DISTINCT ON keeps the newest
 # entry of each entity in the batch (ON CONFLICT cannot touch one row twice in a statement), and
 # the WHERE of the upsert is the version guard: an entry not newer than the stored state is a
-# no-op, and a delete leaves a tombstone that a late, older upsert cannot overwrite.
+# no-op, and a delete leaves a tombstone that a late, older upsert cannot overwrite. Keys are
+# sorted and compared in byte order, as the table's key columns are (sql/receiver/0002).
 APPLY_ENTRIES = """
 WITH incoming AS (
     SELECT DISTINCT ON (e."entityType", e."entityId")
            e."entityType" AS entity_type, e."entityId" AS entity_id, e.op, e.seq,
            e.payload, e."createdAt" AS created_at
     FROM jsonb_to_recordset(%(body)s -> 'entries') AS e(
-        "entityType" text, "entityId" text, op text, seq bigint, payload jsonb,
-        "createdAt" timestamptz)
+        "entityType" text COLLATE "C", "entityId" text COLLATE "C", op text, seq bigint,
+        payload jsonb, "createdAt" timestamptz)
     ORDER BY e."entityType", e."entityId", e.seq DESC
 ), applied AS (
     INSERT INTO ingest.entities AS t
