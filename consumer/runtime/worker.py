@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 from opentelemetry import trace
@@ -128,11 +128,30 @@ class ConsumerRuntime:
         self.stats = RuntimeStats()
         self.stop_event = asyncio.Event()
         self._lost = asyncio.Event()
+        # The same two signals as futures, for the per-batch waits: waiting on a future that is
+        # already there costs a callback, where a waiter task per wait cost a task created and
+        # cancelled (several per batch). The lost one is made anew for every lead.
+        self._stop_signal: asyncio.Future[None] | None = None
+        self._lost_signal: asyncio.Future[None] | None = None
         self._labels = {"consumer": consumer}
 
     def request_stop(self) -> None:
-        """Ask the loop to finish (what SIGTERM/SIGINT do)."""
+        """Ask the loop to finish (what SIGTERM/SIGINT do); the one way to stop it."""
         self.stop_event.set()
+        _complete(self._stop_signal)
+
+    def _stopping(self) -> asyncio.Future[None]:
+        """Done once a stop is requested."""
+        loop = asyncio.get_running_loop()
+        if self._stop_signal is None or self._stop_signal.get_loop() is not loop:
+            self._stop_signal = loop.create_future()
+            if self.stop_event.is_set():
+                _complete(self._stop_signal)
+        return self._stop_signal
+
+    def _mark_lost(self) -> None:
+        self._lost.set()
+        _complete(self._lost_signal)
 
     async def run(self) -> None:
         """Run until request_stop(): stand by, lead, and stand by again after losing the lead."""
@@ -204,6 +223,7 @@ class ConsumerRuntime:
 
     async def _lead(self) -> None:
         self._lost.clear()
+        self._lost_signal = asyncio.get_running_loop().create_future()
         leadership = await self._with_db_retry(lambda: self.store.take_leadership(self.consumer))
         epoch, position = leadership.epoch, leadership.position
         self.stats.epoch, self.stats.position = epoch, position
@@ -240,7 +260,7 @@ class ConsumerRuntime:
                 log.warning(
                     "consumer %s: leader lock session lost (%s)", self.consumer, _one_line(exc)
                 )
-                self._lost.set()
+                self._mark_lost()
                 return
 
     # -- the loop -----------------------------------------------------------------------------
@@ -522,10 +542,11 @@ class ConsumerRuntime:
         if the batch was abandoned on shutdown.
         """
         task = asyncio.create_task(self.sink.deliver(batch))
-        stop = asyncio.create_task(self.stop_event.wait())
-        lost = asyncio.create_task(self._lost.wait())
+        lost = self._lost_signal
+        assert lost is not None, "deliveries run only while leading"
         try:
-            await asyncio.wait({task, stop, lost}, return_when=asyncio.FIRST_COMPLETED)
+            waits: set[asyncio.Future[Any]] = {task, self._stopping(), lost}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if not task.done() and lost.done():
                 task.cancel()
                 raise LeadershipLostError("leader lock session lost during delivery")
@@ -543,9 +564,8 @@ class ConsumerRuntime:
                     return None
             return task.result() or "success"
         finally:
-            for pending in (task, stop, lost):
-                if not pending.done():
-                    pending.cancel()
+            if not task.done():
+                task.cancel()
 
     async def _commit(self, batch: Batch, epoch: int, parked: list[DeadLetter]) -> None:
         delivered = batch.count - len(parked)
@@ -645,18 +665,17 @@ class ConsumerRuntime:
         a SIGTERM must not wait that long (systemd's TimeoutStopSec is 30 s too).
         """
         task = asyncio.ensure_future(op())
-        stop = asyncio.ensure_future(self.stop_event.wait())
         try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            waits: set[asyncio.Future[Any]] = {task, self._stopping()}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 await asyncio.wait({task}, timeout=self.config.shutdown_timeout)
             if not task.done():
                 raise psycopg.OperationalError("database step abandoned on shutdown")
             return task.result()
         finally:
-            for pending in (task, stop):
-                if not pending.done():
-                    pending.cancel()
+            if not task.done():
+                task.cancel()
 
     async def _sleep_unless_stopped(self, delay: float) -> bool:
         """Sleep `delay` seconds; False if a stop came first."""
@@ -664,6 +683,11 @@ class ConsumerRuntime:
             await asyncio.wait_for(self.stop_event.wait(), timeout=delay)
             return False
         return True
+
+
+def _complete(signal: asyncio.Future[None] | None) -> None:
+    if signal is not None and not signal.done():
+        signal.set_result(None)
 
 
 def _one_line(exc: BaseException) -> str:

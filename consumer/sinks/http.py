@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import functools
 import time
 from collections.abc import Iterator
 
@@ -51,16 +52,22 @@ def client_session(timeout_sec: float) -> aiohttp.ClientSession:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _span_naming(method: str, url: str) -> tuple[str, dict[str, str]]:
+    # A sink posts to one URL: parse and redact it once, not once per batch.
+    return f"{method} {URL(url).path}", {
+        "http.request.method": method,
+        # Semantic conventions: credentials in url.full must be redacted.
+        "url.full": mask_secrets(url),
+    }
+
+
 @contextlib.contextmanager
 def client_span(method: str, url: str, headers: dict[str, str]) -> Iterator[Span]:
     """A client span for one HTTP call, its context put into `headers` (W3C traceparent) so the
     receiver's span joins the same trace. A failure marks the span as an error."""
-    with tracer.start_as_current_span(
-        f"{method} {URL(url).path}",
-        kind=SpanKind.CLIENT,
-        # Semantic conventions: credentials in url.full must be redacted.
-        attributes={"http.request.method": method, "url.full": mask_secrets(url)},
-    ) as span:
+    name, attributes = _span_naming(method, url)
+    with tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes) as span:
         propagate.inject(headers)
         yield span
 
