@@ -184,6 +184,11 @@ def _summary(result: dict[str, Any]) -> str:
             if key in cpu:
                 line += "  CPU us/tx: " + ", ".join(f"{k} {v}" for k, v in cpu[key].items())
             lines.append(line)
+        if "tracked_to_minimal_trigger" in p:
+            lines.append(
+                "  tracked (no NOTIFY) against a minimal outbox row trigger: "
+                f"{p['tracked_to_minimal_trigger']:.3f}"
+            )
         cost = p["relay_cost"]
         us = cost["us_per_statement"]
         lines.append(

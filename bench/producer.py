@@ -3,7 +3,9 @@
 Single-row insert/update transactions from 8 concurrent connections into an untracked table and
 into the same table tracked by the relay, with wake-ups off, with a NOTIFY in every transaction
 (the naive relay), and with serversync's default wake-up policy while a consumer runs (with its
-read pacing on, as by default, and off).
+read pacing on, as by default, and off). The in-database reference is the same table with the
+least an outbox row trigger can be (its row's JSON into a table with a serial key):
+`tracked_to_minimal_trigger` is what serversync's relay costs beyond it.
 
 The bench's private cluster runs with fsync and synchronous_commit off, so every transaction is
 pure CPU and the trigger's share of it is as large as it can be. On a private cluster the
@@ -63,8 +65,25 @@ def pgbench_path() -> str:
     return found
 
 
+# The in-database reference for producers: the least an outbox row trigger can be, the relay of
+# the issue's own measurement (a row's JSON into a table with a serial key, nothing else). The
+# relay's cost beyond it is what serversync's outbox row (position, entity, wake-up) adds.
+MINIMAL_TRIGGER = [
+    "DROP TABLE IF EXISTS bench_minimal_outbox",
+    "CREATE TABLE bench_minimal_outbox (id bigserial PRIMARY KEY, payload json NOT NULL)",
+    """CREATE OR REPLACE FUNCTION bench_minimal_relay() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        INSERT INTO bench_minimal_outbox (payload) VALUES (row_to_json(NEW));
+        RETURN NULL;
+    END;
+    $$""",
+    "CREATE TRIGGER bench_minimal_relay AFTER INSERT OR UPDATE ON bench_minimal"
+    " FOR EACH ROW EXECUTE FUNCTION bench_minimal_relay()",
+]
+
+
 async def _prepare(env: BenchEnv) -> None:
-    for table in ("bench_plain", "bench_tracked"):
+    for table in ("bench_plain", "bench_tracked", "bench_minimal"):
         name, ids = sql.Identifier(table), sql.Identifier(f"{table}_ids")
         for statement in (
             sql.SQL("DROP TABLE IF EXISTS {}").format(name),
@@ -79,6 +98,8 @@ async def _prepare(env: BenchEnv) -> None:
         ):
             await execute(env.backend, statement)
     await execute(env.backend, "SELECT sync.track('public.bench_tracked', 'bench_item')")
+    for ddl in MINIMAL_TRIGGER:
+        await execute(env.backend, ddl)
 
 
 def _pgbench(
@@ -153,6 +174,7 @@ PACING_OFF = {"SYNC_BATCH_WAIT_MS": "0"}
 MODES = [
     Mode("untracked", "bench_plain", "auto"),
     Mode("tracked_no_notify", "bench_tracked", "off"),
+    Mode("minimal_trigger", "bench_minimal", "off"),
     Mode("tracked_wakeups_on", "bench_tracked", "auto", {}),
     # A consumer that keeps up just as closely without any NOTIFY (no LISTEN, polling every 5 ms):
     # what the consumer's own reads cost producers, with no wake-up machinery at all.
@@ -352,6 +374,10 @@ async def run_producer(
         "tps": {k: round(v, 1) for k, v in figures.items()},
         "tps_runs": runs,
         "ratio_to_untracked": {k: round(v / base(k), 3) for k, v in figures.items()},
+        # The relay against the least an outbox row trigger can be, neither with a consumer.
+        "tracked_to_minimal_trigger": round(
+            figures["tracked_no_notify"] / figures["minimal_trigger"], 3
+        ),
         # Medians over the rounds, part by part: where each mode's CPU per transaction goes.
         "cpu_us_per_tx": {
             name: {part: round(statistics.median(run[part] for run in cpus), 1) for part in cpus[0]}

@@ -51,7 +51,9 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
     assert {"python", "postgres backend", "total"} <= set(drain["python_loop"]["cpu_us_per_event"])
     assert "CPU us/event" in result.stdout
     assert {run["mode"] for run in figures["latency"]} == {"notify", "poll-only"}
-    assert set(figures["producer"]["tps"]) >= {"untracked", "tracked_wakeups_on"}
+    assert set(figures["producer"]["tps"]) >= {"untracked", "tracked_wakeups_on", "minimal_trigger"}
+    assert figures["producer"]["tracked_to_minimal_trigger"] > 0
+    assert "against a minimal outbox row trigger" in result.stdout
     cpu = figures["producer"]["cpu_us_per_tx"]
     assert cpu["untracked"]["total"] > 0
     assert {"postgres", "pgbench", "consumer", "total", "steal"} <= set(cpu["tracked_wakeups_on"])
