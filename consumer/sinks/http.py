@@ -6,7 +6,8 @@ import contextlib
 import email.utils
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 import aiohttp
 from opentelemetry import propagate, trace
@@ -53,13 +54,16 @@ def client_session(timeout_sec: float) -> aiohttp.ClientSession:
 
 
 @functools.lru_cache(maxsize=64)
-def _span_naming(method: str, url: str) -> tuple[str, dict[str, str]]:
-    # A sink posts to one URL: parse and redact it once, not once per batch.
-    return f"{method} {URL(url).path}", {
-        "http.request.method": method,
-        # Semantic conventions: credentials in url.full must be redacted.
-        "url.full": mask_secrets(url),
-    }
+def _span_naming(method: str, url: str) -> tuple[str, Mapping[str, str]]:
+    # A sink posts to one URL: parse and redact it once, not once per batch (read-only, as it
+    # is shared by every span of that URL).
+    return f"{method} {URL(url).path}", MappingProxyType(
+        {
+            "http.request.method": method,
+            # Semantic conventions: credentials in url.full must be redacted.
+            "url.full": mask_secrets(url),
+        }
+    )
 
 
 @contextlib.contextmanager
