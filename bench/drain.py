@@ -42,6 +42,16 @@ WHERE t.seq < EXCLUDED.seq
 """
 
 
+def _figures(events: int, seconds: float, cpu: dict[str, float]) -> dict[str, Any]:
+    """What every reference reports: its events, time, rate and CPU per event."""
+    return {
+        "events": events,
+        "seconds": seconds,
+        "events_per_sec": events / seconds,
+        "cpu_us_per_event": cpu,
+    }
+
+
 async def in_database_ceiling(env: BenchEnv) -> dict[str, Any]:
     """Reference (a): the whole outbox into a receiver-shaped table in one statement."""
     await execute(env.backend, "DROP TABLE IF EXISTS bench_ref_entities")
@@ -70,12 +80,7 @@ async def in_database_ceiling(env: BenchEnv) -> dict[str, Any]:
         events = int(row[0])
         cpu = await meter.per_event(events)
     await execute(env.backend, "DROP TABLE bench_ref_entities")
-    return {
-        "events": events,
-        "seconds": seconds,
-        "events_per_sec": events / seconds,
-        "cpu_us_per_event": cpu,
-    }
+    return _figures(events, seconds, cpu)
 
 
 async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
@@ -125,13 +130,7 @@ async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
             batches += 1
         seconds = time.perf_counter() - started
         cpu = await meter.per_event(events)
-    return {
-        "events": events,
-        "batches": batches,
-        "seconds": seconds,
-        "events_per_sec": events / seconds,
-        "cpu_us_per_event": cpu,
-    }
+    return {**_figures(events, seconds, cpu), "batches": batches}
 
 
 async def read_walk(env: BenchEnv, batch_size: int) -> dict[str, Any]:
@@ -161,12 +160,7 @@ async def read_walk(env: BenchEnv, batch_size: int) -> dict[str, Any]:
             events += len(rows)
         seconds = time.perf_counter() - started
         cpu = await meter.per_event(events)
-    return {
-        "events": events,
-        "seconds": seconds,
-        "events_per_sec": events / seconds,
-        "cpu_us_per_event": cpu,
-    }
+    return _figures(events, seconds, cpu)
 
 
 async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> dict[str, Any]:

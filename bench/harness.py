@@ -117,17 +117,11 @@ def peak_rss_mb(pid: int) -> float:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _stat_fields(pid: int | str) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
 def process_cpu_seconds(pid: int) -> float | None:
     """User plus system CPU seconds a process has used so far; None if it is gone."""
-    fields = _stat_fields(pid)
-    if fields is None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 

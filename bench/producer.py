@@ -65,9 +65,10 @@ def pgbench_path() -> str:
     return found
 
 
-# The in-database reference for producers: the least an outbox row trigger can be, the relay of
-# the issue's own measurement (a row's JSON into a table with a serial key, nothing else). The
-# relay's cost beyond it is what serversync's outbox row (position, entity, wake-up) adds.
+# The in-database reference for producers: the least an outbox row trigger can be, the kind of
+# trigger the "outbox row trigger" figure describes (a row's JSON into a table with a
+# serial key, nothing else). The relay's cost beyond it is what serversync's outbox row
+# (position, entity, wake-up) adds.
 MINIMAL_TRIGGER = [
     "DROP TABLE IF EXISTS bench_minimal_outbox",
     "CREATE TABLE bench_minimal_outbox (id bigserial PRIMARY KEY, payload json NOT NULL)",

@@ -130,7 +130,7 @@ class ConsumerRuntime:
         self._lost = asyncio.Event()
         # The same two signals as futures, for the per-batch waits: waiting on a future that is
         # already there costs a callback, where a waiter task per wait cost a task created and
-        # cancelled (several per batch). The lost one is made anew for every lead.
+        # cancelled (several per batch). Made by run() and, the lost one, by every lead.
         self._stop_signal: asyncio.Future[None] | None = None
         self._lost_signal: asyncio.Future[None] | None = None
         self._labels = {"consumer": consumer}
@@ -142,11 +142,7 @@ class ConsumerRuntime:
 
     def _stopping(self) -> asyncio.Future[None]:
         """Done once a stop is requested."""
-        loop = asyncio.get_running_loop()
-        if self._stop_signal is None or self._stop_signal.get_loop() is not loop:
-            self._stop_signal = loop.create_future()
-            if self.stop_event.is_set():
-                _complete(self._stop_signal)
+        assert self._stop_signal is not None, "run() makes it"
         return self._stop_signal
 
     def _mark_lost(self) -> None:
@@ -155,6 +151,9 @@ class ConsumerRuntime:
 
     async def run(self) -> None:
         """Run until request_stop(): stand by, lead, and stand by again after losing the lead."""
+        self._stop_signal = asyncio.get_running_loop().create_future()
+        if self.stop_event.is_set():
+            _complete(self._stop_signal)
         instruments.LEADER.set(0, self._labels)
         await self._with_db_retry(lambda: self.store.ensure_consumer(self.consumer))
         await self.sink.start()
