@@ -189,6 +189,11 @@ def _summary(result: dict[str, Any]) -> str:
                 "  tracked (no NOTIFY) against a minimal outbox row trigger: "
                 f"{p['tracked_to_minimal_trigger']:.3f}"
             )
+        if "bulk_tracked_to_minimal_trigger" in p:
+            lines.append(
+                f"  {p['bulk_rows_per_statement']}-row statements, tracked (no NOTIFY) against the"
+                f" minimal row trigger: {p['bulk_tracked_to_minimal_trigger']:.3f}"
+            )
         cost = p["relay_cost"]
         us = cost["us_per_statement"]
         lines.append(

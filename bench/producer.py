@@ -5,7 +5,9 @@ into the same table tracked by the relay, with wake-ups off, with a NOTIFY in ev
 (the naive relay), and with serversync's default wake-up policy while a consumer runs (with its
 read pacing on, as by default, and off). The in-database reference is the same table with the
 least an outbox row trigger can be (its row's JSON into a table with a serial key):
-`tracked_to_minimal_trigger` is what serversync's relay costs beyond it.
+`tracked_to_minimal_trigger` is what serversync's relay costs beyond it. The `bulk_` modes
+repeat the untracked, tracked and minimal-trigger runs with transactions of one 100-row
+statement, where the relay's once-per-statement trigger and a row trigger part ways.
 
 The bench's private cluster runs with fsync and synchronous_commit off, so every transaction is
 pure CPU and the trigger's share of it is as large as it can be. On a private cluster the
@@ -48,10 +50,22 @@ from bench.harness import (
 from consumer.devdb import find_bindir
 from consumer.events import Position
 
+SEED_ROWS = 10_000
 INSERT_SCRIPT = (
     "INSERT INTO {table} (id, v, note) VALUES (nextval('{table}_ids'), 1, repeat('x', 200));\n"
 )
 UPDATE_SCRIPT = "\\set id random(1, 10000)\nUPDATE {table} SET v = v + 1 WHERE id = :id;\n"
+# Multi-row statements: `rows` new rows, or `rows` neighbouring seed rows of a range each client
+# has to itself (no client waits on another's row locks, which would measure lock waits rather
+# than what the relay costs).
+BULK_INSERT_SCRIPT = (
+    "INSERT INTO {table} (id, v, note)"
+    " SELECT nextval('{table}_ids'), 1, repeat('x', 200) FROM generate_series(1, {rows});\n"
+)
+BULK_UPDATE_SCRIPT = (
+    "\\set id 1 + :client_id * {span} + random(0, {span} - {rows})\n"
+    "UPDATE {table} SET v = v + 1 WHERE id BETWEEN :id AND :id + {rows} - 1;\n"
+)
 
 
 def pgbench_path() -> str:
@@ -93,8 +107,8 @@ async def _prepare(env: BenchEnv) -> None:
                 name
             ),
             sql.SQL("CREATE SEQUENCE {} START 10001").format(ids),
-            sql.SQL("INSERT INTO {} SELECT g, 0, 'seed' FROM generate_series(1, 10000) g").format(
-                name
+            sql.SQL("INSERT INTO {} SELECT g, 0, 'seed' FROM generate_series(1, {}) g").format(
+                name, SEED_ROWS
             ),
         ):
             await execute(env.backend, statement)
@@ -103,14 +117,26 @@ async def _prepare(env: BenchEnv) -> None:
         await execute(env.backend, ddl)
 
 
-def _pgbench(
-    env: BenchEnv, table: str, seconds: int, clients: int, notify: str
-) -> tuple[float, int]:
-    """tps and the number of transactions of one pgbench run."""
+def _pgbench(env: BenchEnv, mode: Mode, seconds: int, clients: int) -> tuple[float, int]:
+    """tps and the number of transactions of one pgbench run: half inserts, half updates."""
     params = conninfo.conninfo_to_dict(env.backend)
     folder: Path = env.workdir
-    (folder / f"insert_{table}.sql").write_text(INSERT_SCRIPT.format(table=table))
-    (folder / f"update_{table}.sql").write_text(UPDATE_SCRIPT.format(table=table))
+    table = mode.table
+    insert, update = (
+        folder / f"insert_{table}_{mode.rows}.sql",
+        folder / f"update_{table}_{mode.rows}.sql",
+    )
+    if mode.rows == 1:
+        insert.write_text(INSERT_SCRIPT.format(table=table))
+        update.write_text(UPDATE_SCRIPT.format(table=table))
+    else:
+        span = SEED_ROWS // clients
+        if span < mode.rows:
+            raise ValueError(
+                f"{clients} clients leave {span} seed rows each, fewer than {mode.rows}"
+            )
+        insert.write_text(BULK_INSERT_SCRIPT.format(table=table, rows=mode.rows))
+        update.write_text(BULK_UPDATE_SCRIPT.format(table=table, rows=mode.rows, span=span))
     command = [
         pgbench_path(),
         "-n",
@@ -121,9 +147,9 @@ def _pgbench(
         "-j",
         "2",
         "-f",
-        f"{folder / f'insert_{table}.sql'}@1",
+        f"{insert}@1",
         "-f",
-        f"{folder / f'update_{table}.sql'}@1",
+        f"{update}@1",
         "-h",
         str(params.get("host", "127.0.0.1")),
         "-p",
@@ -138,7 +164,7 @@ def _pgbench(
         text=True,
         check=False,
         env={
-            "PGOPTIONS": f"-c sync.notify={notify}",
+            "PGOPTIONS": f"-c sync.notify={mode.notify}",
             "PATH": "/usr/bin:/bin",
             **({"PGPASSWORD": str(params["password"])} if "password" in params else {}),
         },
@@ -169,6 +195,8 @@ class Mode:
     # None: no consumer runs; else the consumer's extra environment.
     consumer: dict[str, str] | None = None
     durable: bool = False
+    # Rows each statement changes (one statement per transaction).
+    rows: int = 1
 
 
 PACING_OFF = {"SYNC_BATCH_WAIT_MS": "0"}
@@ -189,6 +217,14 @@ MODES = [
     Mode("tracked_wakeups_on_unpaced", "bench_tracked", "auto", PACING_OFF),
     # Last in its round, so that no measured mode runs in the wake of its notification flood.
     Mode("tracked_notify_every_tx", "bench_tracked", "always", {}),
+]
+BULK_ROWS = 100
+# Transactions of one 100-row statement: what the relay costs bulk writers, against the same
+# statements untracked and under the minimal row trigger (one trigger call per row).
+BULK_MODES = [
+    Mode("bulk_untracked", "bench_plain", "auto", rows=BULK_ROWS),
+    Mode("bulk_tracked_no_notify", "bench_tracked", "off", rows=BULK_ROWS),
+    Mode("bulk_minimal_trigger", "bench_minimal", "off", rows=BULK_ROWS),
 ]
 DURABLE_MODES = [
     Mode("durable_untracked", "bench_plain", "auto", durable=True),
@@ -250,7 +286,7 @@ async def _run_mode(
         machine_before = machine_cpu()
         pgbench_before = _children_cpu_seconds()
         consumer_before = process_cpu_seconds(consumer.pid) if consumer is not None else None
-        tps, transactions = _pgbench(env, mode.table, seconds, clients, mode.notify)
+        tps, transactions = _pgbench(env, mode, seconds, clients)
         machine_after = machine_cpu()
         busy = machine_after[0] - machine_before[0]
         pgbench_used = _children_cpu_seconds() - pgbench_before
@@ -349,7 +385,7 @@ async def run_producer(
     per_row = await relay_cost_per_row(env, statements=statements, rounds=max(rounds, 3))
     runs: dict[str, list[float]] = {}
     cpu_runs: dict[str, list[dict[str, float]]] = {}
-    blocks = [MODES]
+    blocks = [MODES, BULK_MODES]
     if env.server.cluster is not None:
         blocks.append(DURABLE_MODES)
     for block in blocks:
@@ -366,7 +402,10 @@ async def run_producer(
     figures = {name: statistics.median(values) for name, values in runs.items()}
 
     def base(mode: str) -> float:
-        return figures["durable_untracked" if mode.startswith("durable_") else "untracked"]
+        for block in ("durable_", "bulk_"):
+            if mode.startswith(block):
+                return figures[f"{block}untracked"]
+        return figures["untracked"]
 
     return {
         "clients": clients,
@@ -378,6 +417,10 @@ async def run_producer(
         # The relay against the least an outbox row trigger can be, neither with a consumer.
         "tracked_to_minimal_trigger": round(
             figures["tracked_no_notify"] / figures["minimal_trigger"], 3
+        ),
+        "bulk_rows_per_statement": BULK_ROWS,
+        "bulk_tracked_to_minimal_trigger": round(
+            figures["bulk_tracked_no_notify"] / figures["bulk_minimal_trigger"], 3
         ),
         # Medians over the rounds, part by part: where each mode's CPU per transaction goes.
         "cpu_us_per_tx": {

@@ -54,6 +54,9 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
     assert set(figures["producer"]["tps"]) >= {"untracked", "tracked_wakeups_on", "minimal_trigger"}
     assert figures["producer"]["tracked_to_minimal_trigger"] > 0
     assert "against a minimal outbox row trigger" in result.stdout
+    assert set(figures["producer"]["tps"]) >= {"bulk_untracked", "bulk_tracked_no_notify"}
+    assert figures["producer"]["bulk_tracked_to_minimal_trigger"] > 0
+    assert "100-row statements, tracked (no NOTIFY)" in result.stdout
     cpu = figures["producer"]["cpu_us_per_tx"]
     assert cpu["untracked"]["total"] > 0
     assert {"postgres", "pgbench", "consumer", "total", "steal"} <= set(cpu["tracked_wakeups_on"])

@@ -269,3 +269,92 @@ async def test_keys_swapped_in_one_statement_leave_both_entities(backend_dsn: st
         "b": ("upsert", "apple"),
         "c": ("upsert", "banana"),
     }
+
+
+async def test_a_statement_that_changes_many_rows_relays_each_row_in_order(
+    backend_dsn: str,
+) -> None:
+    """Ordinary tables relay once per statement (sql/backend/0007): every row a multi-row
+    INSERT, UPDATE, DELETE, upsert, MERGE or COPY changed is one event, in the order the
+    statement changed them, with the row relay's op, key and payload."""
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        await conn.execute("CREATE TABLE parcels (code text PRIMARY KEY, weight int)")
+        await conn.execute("SELECT sync.track('public.parcels', 'parcel', 'code')")
+        await conn.execute("INSERT INTO parcels VALUES ('p3', 3), ('p1', 1), ('p2', 2)")
+        await conn.execute("UPDATE parcels SET weight = weight * 10 WHERE code <> 'p2'")
+        await conn.execute("DELETE FROM parcels WHERE weight > 15")
+        await conn.execute(
+            "INSERT INTO parcels VALUES ('p1', 100), ('p4', 4) "
+            "ON CONFLICT (code) DO UPDATE SET weight = excluded.weight"
+        )
+        await conn.execute(
+            "MERGE INTO parcels t USING (VALUES ('p2', 200), ('p5', 5)) s (code, weight) "
+            "ON t.code = s.code WHEN MATCHED THEN DELETE "
+            "WHEN NOT MATCHED THEN INSERT VALUES (s.code, s.weight)"
+        )
+        async with conn.cursor().copy("COPY parcels FROM STDIN") as copy:
+            await copy.write_row(("p6", 6))
+            await copy.write_row(("p7", 7))
+    rows = await fetch_all(
+        backend_dsn,
+        "SELECT txid::text, op, entity_id, (payload->>'weight')::int "
+        "FROM sync.events_outbox ORDER BY txid, seq",
+    )
+    statements: dict[str, list[tuple[str, str, int]]] = {}
+    for txid, op, key, weight in rows:
+        statements.setdefault(txid, []).append((op, key, weight))
+    inserted, updated, deleted, upserted, merged, copied = statements.values()
+    assert inserted == [("upsert", "p3", 3), ("upsert", "p1", 1), ("upsert", "p2", 2)]
+    assert updated == [("upsert", "p3", 30), ("upsert", "p1", 10)]
+    assert deleted == [("delete", "p3", 30)]
+    # An upsert's inserted and updated rows come from two statement triggers.
+    assert sorted(upserted) == [("upsert", "p1", 100), ("upsert", "p4", 4)]
+    assert sorted(merged) == [("delete", "p2", 2), ("upsert", "p5", 5)]
+    assert copied == [("upsert", "p6", 6), ("upsert", "p7", 7)]
+
+
+async def test_a_statement_that_changes_no_row_writes_and_wakes_nothing(backend_dsn: str) -> None:
+    await fetch_all(backend_dsn, WAITING)
+    nothing = "UPDATE call_logs SET status = 'done' WHERE false"
+    assert await _notifications(backend_dsn, [nothing, "DELETE FROM call_logs"]) == []
+    assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.events_outbox") == 0
+    assert await _notifications(backend_dsn, [nothing, MANY_ROWS, nothing]) == [""]
+
+
+async def test_a_partitioned_table_relays_writes_made_through_any_partition(
+    backend_dsn: str,
+) -> None:
+    """A partitioned table keeps the row relay, which PostgreSQL clones onto each partition
+    (later ones too), so a write that names a partition is relayed as well."""
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        await conn.execute(
+            "CREATE TABLE readings (id int, region text, value int, PRIMARY KEY (id, region)) "
+            "PARTITION BY LIST (region)"
+        )
+        await conn.execute("CREATE TABLE readings_north PARTITION OF readings FOR VALUES IN ('n')")
+        await conn.execute("SELECT sync.track('public.readings', 'reading')")
+        await conn.execute("CREATE TABLE readings_south PARTITION OF readings FOR VALUES IN ('s')")
+        await conn.execute("INSERT INTO readings VALUES (1, 'n', 10), (2, 's', 20)")
+        await conn.execute("INSERT INTO readings_north VALUES (3, 'n', 30)")
+        await conn.execute("UPDATE readings_south SET value = 21")
+        await conn.execute("DELETE FROM readings_north WHERE id = 1")
+        tracked = await fetch_all(
+            backend_dsn,
+            "SELECT table_name::text FROM sync.tracked_tables WHERE table_name::text ^@ 'readings'",
+        )
+        assert tracked == [("readings",)]  # not each partition as well
+        await conn.execute("SELECT sync.untrack('public.readings')")
+        await conn.execute("INSERT INTO readings_south VALUES (4, 's', 40)")
+    rows = await fetch_all(
+        backend_dsn,
+        "SELECT op, entity_id, (payload->>'value')::int FROM sync.events_outbox ORDER BY seq",
+    )
+    assert rows == [
+        ("upsert", "1", 10),
+        ("upsert", "2", 20),
+        ("upsert", "3", 30),
+        ("upsert", "2", 21),
+        ("delete", "1", 10),
+    ]

@@ -1,6 +1,7 @@
 """Upgrading a database that holds data: backend 0006 rebuilds the outbox's key and regenerates
-every relay; nothing written before is lost, reordered or delivered twice, and the relay works
-after. Receiver 0002 re-collates the entity keys; stored entities and their versions stay."""
+every relay, 0007 regenerates them again as statement triggers; nothing written before is lost,
+reordered or delivered twice, and the relay works after. Receiver 0002 re-collates the entity
+keys; stored entities and their versions stay."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
     monkeypatch.undo()
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         applied = await migrations.migrate(conn, ["backend", "voicebot"])
-    assert [m.version for m in applied] == ["0006"]
+    assert [m.version for m in applied] == ["0006", "0007"]
 
     assert await fetch_all(dsn, OUTBOX + " ORDER BY o.txid, o.seq") == written
     constraints = await fetch_all(
@@ -62,6 +63,17 @@ async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
         " WHERE conrelid = 'sync.events_outbox'::regclass ORDER BY contype",
     )
     assert constraints == [("p", "PRIMARY KEY (txid, seq)")]
+    triggers = await fetch_all(
+        dsn,
+        "SELECT tgname, (tgtype & 1) = 1 AS per_row FROM pg_trigger"
+        " WHERE tgrelid = 'call_logs'::regclass AND NOT tgisinternal ORDER BY tgname",
+    )
+    assert triggers == [
+        ("sync_rekey", True),
+        ("sync_relay", False),
+        ("sync_relay_delete", False),
+        ("sync_relay_update", False),
+    ]
     await insert_calls(dsn, 5, tag="after")
     # The 20 left waiting and the 5 written since; the first 10 are not sent again.
     await _delivered_through(receiver_url, dsn, 25)
