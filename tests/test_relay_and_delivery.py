@@ -216,7 +216,9 @@ async def test_the_generated_relay_writes_each_key_as_its_json_text(backend_dsn:
         assert await fetch_value(backend_dsn, relays, ("keyed_0",)) == 0
 
 
-async def test_a_row_with_an_empty_key_is_refused_with_its_table_named(backend_dsn: str) -> None:
+async def test_a_row_with_an_empty_or_null_key_is_refused_with_its_table_named(
+    backend_dsn: str,
+) -> None:
     """The outbox has no CHECK constraints (sql/backend/0006): the relay itself refuses an empty
     key, with the constraint's error class, and the producer's write is undone with it."""
     conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
@@ -224,9 +226,15 @@ async def test_a_row_with_an_empty_key_is_refused_with_its_table_named(backend_d
         await conn.execute("CREATE TABLE gadgets (code text, colour text)")
         await conn.execute("INSERT INTO gadgets VALUES ('', 'from before tracking')")
         await conn.execute("SELECT sync.track('public.gadgets', 'gadget', 'code')")
-        refused = pytest.raises(psycopg.errors.CheckViolation, match="gadgets has an empty key")
+        refused = pytest.raises(
+            psycopg.errors.CheckViolation, match="gadgets has an empty or NULL key"
+        )
         with refused:
             await conn.execute("INSERT INTO gadgets VALUES ('', 'red')")
+        with refused:  # one empty key refuses the whole statement
+            await conn.execute("INSERT INTO gadgets VALUES ('g-2', 'blue'), ('', 'red')")
+        with refused:
+            await conn.execute("INSERT INTO gadgets VALUES (NULL, 'red')")
         with refused:
             await conn.execute("DELETE FROM gadgets WHERE code = ''")
         with refused:  # the delete of the old, empty key
@@ -235,6 +243,11 @@ async def test_a_row_with_an_empty_key_is_refused_with_its_table_named(backend_d
         with refused:  # the upsert of the new, empty key
             await conn.execute("UPDATE gadgets SET code = '' WHERE code = 'g-1'")
         assert await fetch_value(backend_dsn, "SELECT count(*) FROM gadgets") == 2
+        # A nullable key of a type that cannot be empty is checked for NULL.
+        await conn.execute("CREATE TABLE counters (n int, label text)")
+        await conn.execute("SELECT sync.track('public.counters', 'counter', 'n')")
+        with pytest.raises(psycopg.errors.CheckViolation, match="counters has an empty or NULL"):
+            await conn.execute("INSERT INTO counters VALUES (1, 'one'), (NULL, 'none')")
     rows = await fetch_all(
         backend_dsn, "SELECT op, entity_id FROM sync.events_outbox ORDER BY txid, seq"
     )

@@ -4,13 +4,22 @@
 -- A row trigger runs the generated function, and the outbox INSERT's executor, once per changed
 -- row; most of what the relay costs a row is that set-up, not the row it writes. An AFTER
 -- STATEMENT trigger with a transition table (the statement's changed rows) pays it once per
--- statement. Measured [ad hoc, one session, 20,000 statements, medians of three rounds]:
---   one-row INSERT: untracked 4.4 us, row relay 19.2, statement relay 23.3 (noisy: 19.8-27.9)
---   one-row UPDATE: untracked 8.3 us, row relay 33.2, statement relay 28.9
---   10,000-row UPDATE: untracked 39-47 ms, row relay 170-174 ms, statement relay 61-74 ms
--- and at 8 connections in pgbench (single-row INSERT/UPDATE mix, tps, three rounds): row relay
--- 21,800-23,600, statement relay 20,900-23,400; 100-row UPDATEs: 1,010-1,020 against
--- 1,880-2,170. bench/producer.py measures both kinds of transaction.
+-- statement. What the relay adds to a statement, in CPU instructions (callgrind, a single-user
+-- backend on a fresh copy of one cluster for every run, so the counts repeat to within 0.1 %;
+-- 2,000 statements in one transaction, bigint key; thousands of instructions):
+--                                       row relay (0006)   statement relay (0007)
+--   one-row INSERT                            101                   109
+--   one-row UPDATE                            113                   119
+--   one-row DELETE                             97                   105
+--   100-row INSERT, per row                    96                    37
+--   100-row UPDATE, per row                    94                    34
+-- A one-row statement costs ~7 % more relay than before: a transition table's scan is set up
+-- in every run (ExecInitNamedTuplestoreScan, ~14k), and the wake-up check is a statement of its
+-- own instead of the outbox INSERT's RETURNING. A many-row statement costs less than half. With
+-- a key that may be empty or NULL (a text key, a nullable column) a one-row INSERT costs ~18k
+-- more than under the row relay: the refusal is a function call in the INSERT, and a call of a
+-- PL/pgSQL function is set up in every run of the statement, whether it is made or not.
+-- bench/producer.py measures both kinds of transaction with pgbench (the bulk_ modes).
 --
 -- What each change emits is what the row relay emitted: an upsert of each inserted or updated
 -- row, a delete of each deleted row, the row as JSON, the key as its JSON text, in the order the
@@ -24,11 +33,13 @@
 -- attached later, so writes made straight to a partition are relayed too, which the parent's
 -- statement triggers would miss. The generated function serves both kinds (TG_LEVEL).
 
--- The empty-key refusal of 0006, in one place for every generated function.
-CREATE FUNCTION sync.refuse_empty_key(table_name text, key_column text) RETURNS text
+-- The empty-key refusal of 0006, in one place for every generated function, now for a NULL
+-- key too (it failed on the outbox's NOT NULL). The relay passes TG_RELID, so the message names
+-- the table as it is called when the row is refused.
+CREATE FUNCTION sync.refuse_empty_key(target regclass, key_column text) RETURNS text
 LANGUAGE plpgsql AS $$
 BEGIN
-    RAISE EXCEPTION 'sync relay: a row of % has an empty key (column %)', table_name, key_column
+    RAISE EXCEPTION 'sync relay: a row of % has an empty or NULL key (column %)', target, key_column
         USING ERRCODE = 'check_violation';
 END;
 $$;
@@ -49,24 +60,43 @@ DECLARE
             ELSE EXISTS (SELECT 1 FROM sync.consumer_waits WHERE waiting)
         END$check$;
     partitioned boolean;
-    event text;
+    key_of text;
+    existing text;
     body text;
 BEGIN
     IF entity_type IS NULL OR entity_type !~ '^[A-Za-z_][A-Za-z0-9_.-]{0,127}$' THEN
         RAISE EXCEPTION 'sync.track: entity type % is not an identifier', quote_literal(entity_type)
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF NOT EXISTS (
-        SELECT 1 FROM pg_attribute
-        WHERE attrelid = target AND attname = key_column AND attnum > 0 AND NOT attisdropped
-    ) THEN
+    -- The key of a row (%1$s: r, NEW or OLD) as its JSON text. The relay refuses an empty or
+    -- NULL one, but a key of a number, date, time, boolean, enum or uuid type in a NOT NULL
+    -- column can be neither, and is not checked: the check's function call costs every
+    -- statement ~10k instructions to set up, whether it is made or not.
+    SELECT CASE
+               WHEN a.attnotnull
+                    AND (t.typcategory IN ('N', 'D', 'B', 'T', 'E') OR t.oid = 'uuid'::regtype)
+               THEN format('to_json(%%1$s.%I) #>> %L', key_column, '{}')
+               ELSE format(
+                   'coalesce(nullif(to_json(%%1$s.%I) #>> %L, %L), '
+                   'sync.refuse_empty_key(TG_RELID, %L))',
+                   key_column, '{}', '', key_column
+               )
+           END
+      INTO key_of
+      FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
+     WHERE a.attrelid = target AND a.attname = key_column AND a.attnum > 0
+       AND NOT a.attisdropped;
+    IF NOT FOUND THEN
         RAISE EXCEPTION 'sync.track: table % has no column %', target, quote_ident(key_column)
             USING ERRCODE = 'undefined_column';
     END IF;
     SELECT relkind = 'p' INTO partitioned FROM pg_class WHERE oid = target;
-    FOREACH event IN ARRAY ARRAY['sync_relay', 'sync_relay_update', 'sync_relay_delete',
-                                 'sync_rekey'] LOOP
-        EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', event, target);
+    FOR existing IN
+        SELECT tgname FROM pg_trigger
+        WHERE tgrelid = target AND tgparentid = 0
+          AND tgname IN ('sync_relay', 'sync_relay_update', 'sync_relay_delete', 'sync_rekey')
+    LOOP
+        EXECUTE format('DROP TRIGGER %I ON %s', existing, target);
     END LOOP;
     -- The body goes in as a quoted literal (%L), not dollar-quoted: no column name can end it.
     body := format(
@@ -80,43 +110,41 @@ BEGIN
             -- Generated by sync.track (sql/backend/0007_statement_relay.sql).
             IF TG_LEVEL = 'STATEMENT' THEN
                 -- sync_changed_rows: the statement's new rows, or its old ones for a DELETE.
-                WITH written AS (
-                    INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-                    SELECT CASE TG_OP WHEN 'DELETE' THEN 'delete' ELSE 'upsert' END, %1$L,
-                           CASE WHEN changed.entity_id = ''
-                                THEN sync.refuse_empty_key(TG_TABLE_NAME, %2$L)
-                                ELSE changed.entity_id END,
-                           to_json(r)
-                    FROM sync_changed_rows AS r
-                    CROSS JOIN LATERAL (SELECT to_json(r.%2$I) #>> '{}') AS changed (entity_id)
-                    RETURNING true
-                )
-                SELECT EXISTS (SELECT FROM written) AND %3$s INTO must_notify;
-            ELSE
                 IF TG_OP = 'DELETE' THEN
-                    event_op := 'delete';
-                    event_key := to_json(OLD.%2$I) #>> '{}';
-                    event_row := to_json(OLD);
+                    INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
+                    SELECT 'delete', %1$L, %4$s, to_json(r) FROM sync_changed_rows AS r;
                 ELSE
-                    event_op := 'upsert';
-                    event_key := to_json(NEW.%2$I) #>> '{}';
-                    event_row := to_json(NEW);
+                    INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
+                    SELECT 'upsert', %1$L, %4$s, to_json(r) FROM sync_changed_rows AS r;
                 END IF;
-                IF event_key = '' THEN
-                    PERFORM sync.refuse_empty_key(TG_TABLE_NAME, %2$L);
+                -- A statement that changed no row wrote nothing and wakes nobody.
+                IF FOUND THEN
+                    IF (%2$s) THEN
+                        PERFORM pg_notify('sync_outbox', '');  -- a wake-up only: no event data
+                    END IF;
                 END IF;
-                INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-                VALUES (event_op, %1$L, event_key, event_row)
-                RETURNING %3$s INTO must_notify;
+                RETURN NULL;
             END IF;
+            IF TG_OP = 'DELETE' THEN
+                event_op := 'delete';
+                event_key := %6$s;
+                event_row := to_json(OLD);
+            ELSE
+                event_op := 'upsert';
+                event_key := %5$s;
+                event_row := to_json(NEW);
+            END IF;
+            INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
+            VALUES (event_op, %1$L, event_key, event_row)
+            RETURNING %2$s INTO must_notify;
             IF must_notify THEN
-                -- A wake-up only: no event data.
                 PERFORM pg_notify('sync_outbox', '');
             END IF;
             RETURN NULL;
         END;
         $body$,
-        entity_type, key_column, wanted
+        entity_type, wanted, key_column, format(key_of, 'r'), format(key_of, 'NEW'),
+        format(key_of, 'OLD')
     );
     EXECUTE format(
         'CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql AS %L', relay, body
@@ -151,7 +179,6 @@ BEGIN
     body := format(
         $body$
         DECLARE
-            event_key text;
             key_taken boolean;
         BEGIN
             -- Generated by sync.track (sql/backend/0007_statement_relay.sql). Runs only when a key
@@ -163,16 +190,12 @@ BEGIN
             IF key_taken THEN
                 RETURN NULL;  -- another row took the old key in the same statement
             END IF;
-            event_key := to_json(OLD.%1$I) #>> '{}';
-            IF event_key = '' THEN
-                PERFORM sync.refuse_empty_key(TG_TABLE_NAME, %1$L);
-            END IF;
             INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-            VALUES ('delete', %2$L, event_key, to_json(OLD));
+            VALUES ('delete', %2$L, %3$s, to_json(OLD));
             RETURN NULL;
         END;
         $body$,
-        key_column, entity_type
+        key_column, entity_type, format(key_of, 'OLD')
     );
     EXECUTE format(
         'CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql AS %L', rekey, body
@@ -188,11 +211,14 @@ $$;
 CREATE OR REPLACE FUNCTION sync.untrack(target regclass) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
-    event text;
+    existing text;
 BEGIN
-    FOREACH event IN ARRAY ARRAY['sync_relay', 'sync_relay_update', 'sync_relay_delete',
-                                 'sync_rekey'] LOOP
-        EXECUTE format('DROP TRIGGER IF EXISTS %I ON %s', event, target);
+    FOR existing IN
+        SELECT tgname FROM pg_trigger
+        WHERE tgrelid = target AND tgparentid = 0
+          AND tgname IN ('sync_relay', 'sync_relay_update', 'sync_relay_delete', 'sync_rekey')
+    LOOP
+        EXECUTE format('DROP TRIGGER %I ON %s', existing, target);
     END LOOP;
     EXECUTE format('DROP FUNCTION IF EXISTS sync.%I()', 'relay_' || target::oid);
     EXECUTE format('DROP FUNCTION IF EXISTS sync.%I()', 'rekey_' || target::oid);
