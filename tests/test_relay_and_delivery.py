@@ -371,3 +371,31 @@ async def test_a_partitioned_table_relays_writes_made_through_any_partition(
         ("upsert", "2", 21),
         ("delete", "1", 10),
     ]
+
+
+async def test_columns_added_dropped_or_retyped_show_in_the_next_events_of_a_running_session(
+    backend_dsn: str,
+) -> None:
+    """A producer's session keeps its relay's statements planned; another session's ALTER TABLE
+    must reach them (the payload is the row as it is now, not as it was when first planned)."""
+    producer = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    other = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with producer, other:
+        await producer.execute("CREATE TABLE meters (id int PRIMARY KEY, v text, w int)")
+        await producer.execute("SELECT sync.track('public.meters', 'meter')")
+        await producer.execute("INSERT INTO meters VALUES (1, 'one', 1)")
+        await producer.execute("UPDATE meters SET v = 'uno'")
+        await other.execute("ALTER TABLE meters ADD COLUMN extra text DEFAULT 'x'")
+        await producer.execute("INSERT INTO meters VALUES (2, 'two', 2)")
+        await other.execute("ALTER TABLE meters DROP COLUMN v")
+        await producer.execute("INSERT INTO meters VALUES (3, 3, 'three')")
+        await other.execute("ALTER TABLE meters ALTER COLUMN w TYPE text")
+        await producer.execute("UPDATE meters SET w = 'thirty' WHERE id = 3")
+    rows = await fetch_all(backend_dsn, "SELECT payload FROM sync.events_outbox ORDER BY seq")
+    assert [row[0] for row in rows] == [
+        {"id": 1, "v": "one", "w": 1},
+        {"id": 1, "v": "uno", "w": 1},
+        {"id": 2, "v": "two", "w": 2, "extra": "x"},
+        {"id": 3, "w": 3, "extra": "three"},
+        {"id": 3, "w": "thirty", "extra": "three"},
+    ]
