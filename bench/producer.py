@@ -54,7 +54,7 @@ SEED_ROWS = 10_000
 INSERT_SCRIPT = (
     "INSERT INTO {table} (id, v, note) VALUES (nextval('{table}_ids'), 1, repeat('x', 200));\n"
 )
-UPDATE_SCRIPT = "\\set id random(1, 10000)\nUPDATE {table} SET v = v + 1 WHERE id = :id;\n"
+UPDATE_SCRIPT = "\\set id random(1, {seed_rows})\nUPDATE {table} SET v = v + 1 WHERE id = :id;\n"
 # Multi-row statements: `rows` new rows, or `rows` neighbouring seed rows of a range each client
 # has to itself (no client waits on another's row locks, which would measure lock waits rather
 # than what the relay costs).
@@ -106,7 +106,7 @@ async def _prepare(env: BenchEnv) -> None:
             sql.SQL("CREATE TABLE {} (id bigint PRIMARY KEY, v int NOT NULL, note text)").format(
                 name
             ),
-            sql.SQL("CREATE SEQUENCE {} START 10001").format(ids),
+            sql.SQL("CREATE SEQUENCE {} START {}").format(ids, SEED_ROWS + 1),
             sql.SQL("INSERT INTO {} SELECT g, 0, 'seed' FROM generate_series(1, {}) g").format(
                 name, SEED_ROWS
             ),
@@ -128,7 +128,7 @@ def _pgbench(env: BenchEnv, mode: Mode, seconds: int, clients: int) -> tuple[flo
     )
     if mode.rows == 1:
         insert.write_text(INSERT_SCRIPT.format(table=table))
-        update.write_text(UPDATE_SCRIPT.format(table=table))
+        update.write_text(UPDATE_SCRIPT.format(table=table, seed_rows=SEED_ROWS))
     else:
         span = SEED_ROWS // clients
         if span < mode.rows:

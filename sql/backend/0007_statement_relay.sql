@@ -44,6 +44,23 @@ BEGIN
 END;
 $$;
 
+-- The relay's triggers on a table, whichever of them it has (none, when it was never tracked;
+-- a partition's clones go with its parent's trigger).
+CREATE FUNCTION sync.drop_relay_triggers(target regclass) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    existing text;
+BEGIN
+    FOR existing IN
+        SELECT tgname FROM pg_trigger
+        WHERE tgrelid = target AND tgparentid = 0
+          AND tgname IN ('sync_relay', 'sync_relay_update', 'sync_relay_delete', 'sync_rekey')
+    LOOP
+        EXECUTE format('DROP TRIGGER %I ON %s', existing, target);
+    END LOOP;
+END;
+$$;
+
 CREATE OR REPLACE FUNCTION sync.track(
     target      regclass,
     entity_type text,
@@ -61,7 +78,6 @@ DECLARE
         END$check$;
     partitioned boolean;
     key_of text;
-    existing text;
     body text;
 BEGIN
     IF entity_type IS NULL OR entity_type !~ '^[A-Za-z_][A-Za-z0-9_.-]{0,127}$' THEN
@@ -91,13 +107,7 @@ BEGIN
             USING ERRCODE = 'undefined_column';
     END IF;
     SELECT relkind = 'p' INTO partitioned FROM pg_class WHERE oid = target;
-    FOR existing IN
-        SELECT tgname FROM pg_trigger
-        WHERE tgrelid = target AND tgparentid = 0
-          AND tgname IN ('sync_relay', 'sync_relay_update', 'sync_relay_delete', 'sync_rekey')
-    LOOP
-        EXECUTE format('DROP TRIGGER %I ON %s', existing, target);
-    END LOOP;
+    PERFORM sync.drop_relay_triggers(target);
     -- The body goes in as a quoted literal (%L), not dollar-quoted: no column name can end it.
     body := format(
         $body$
@@ -112,10 +122,10 @@ BEGIN
                 -- sync_changed_rows: the statement's new rows, or its old ones for a DELETE.
                 IF TG_OP = 'DELETE' THEN
                     INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-                    SELECT 'delete', %1$L, %4$s, to_json(r) FROM sync_changed_rows AS r;
+                    SELECT 'delete', %1$L, %3$s, to_json(r) FROM sync_changed_rows AS r;
                 ELSE
                     INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-                    SELECT 'upsert', %1$L, %4$s, to_json(r) FROM sync_changed_rows AS r;
+                    SELECT 'upsert', %1$L, %3$s, to_json(r) FROM sync_changed_rows AS r;
                 END IF;
                 -- A statement that changed no row wrote nothing and wakes nobody.
                 IF FOUND THEN
@@ -127,11 +137,11 @@ BEGIN
             END IF;
             IF TG_OP = 'DELETE' THEN
                 event_op := 'delete';
-                event_key := %6$s;
+                event_key := %5$s;
                 event_row := to_json(OLD);
             ELSE
                 event_op := 'upsert';
-                event_key := %5$s;
+                event_key := %4$s;
                 event_row := to_json(NEW);
             END IF;
             INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
@@ -143,8 +153,7 @@ BEGIN
             RETURN NULL;
         END;
         $body$,
-        entity_type, wanted, key_column, format(key_of, 'r'), format(key_of, 'NEW'),
-        format(key_of, 'OLD')
+        entity_type, wanted, format(key_of, 'r'), format(key_of, 'NEW'), format(key_of, 'OLD')
     );
     EXECUTE format(
         'CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql AS %L', relay, body
@@ -210,16 +219,8 @@ $$;
 
 CREATE OR REPLACE FUNCTION sync.untrack(target regclass) RETURNS void
 LANGUAGE plpgsql AS $$
-DECLARE
-    existing text;
 BEGIN
-    FOR existing IN
-        SELECT tgname FROM pg_trigger
-        WHERE tgrelid = target AND tgparentid = 0
-          AND tgname IN ('sync_relay', 'sync_relay_update', 'sync_relay_delete', 'sync_rekey')
-    LOOP
-        EXECUTE format('DROP TRIGGER %I ON %s', existing, target);
-    END LOOP;
+    PERFORM sync.drop_relay_triggers(target);
     EXECUTE format('DROP FUNCTION IF EXISTS sync.%I()', 'relay_' || target::oid);
     EXECUTE format('DROP FUNCTION IF EXISTS sync.%I()', 'rekey_' || target::oid);
 END;
