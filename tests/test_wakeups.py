@@ -3,6 +3,7 @@ ever lost to the race between a commit and that announcement."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import psycopg
@@ -98,3 +99,73 @@ async def test_without_listen_the_consumer_polls_and_never_asks_for_wakeups(
         await wait_until(lambda: runtime.stats.delivered_events == 1, what="the polled event")
         await wait_until(lambda: runtime.stats.poll_wakeups > 0, what="a poll wake-up")
     assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.consumer_waits") == 0
+
+
+WAITING_COUNT = "SELECT pg_sequence_last_value('sync.waiting_consumers')"
+SET_WAITING = (
+    "INSERT INTO sync.consumer_waits (consumer, waiting) VALUES (%s, %s) "
+    "ON CONFLICT (consumer) DO UPDATE SET waiting = EXCLUDED.waiting"
+)
+
+
+async def test_the_relay_reads_a_count_of_waiting_consumers_kept_by_every_change(
+    backend_dsn: str,
+) -> None:
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+
+        async def count() -> int:
+            row = await (await conn.execute(WAITING_COUNT)).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        async def notified_by_a_write() -> bool:
+            listener = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+            async with listener:
+                await listener.execute("LISTEN sync_outbox")
+                await conn.execute(
+                    "INSERT INTO call_logs (caller_number, callee_number) VALUES ('n', 'x')"
+                )
+                return [n.payload async for n in listener.notifies(timeout=0.3)] == [""]
+
+        assert await count() == 0
+        assert not await notified_by_a_write()
+        await conn.execute(SET_WAITING, ("frontend-sync", True))
+        await conn.execute(SET_WAITING, ("recording-upload", True))
+        assert await count() == 2
+        assert await notified_by_a_write()
+        await conn.execute(SET_WAITING, ("frontend-sync", False))
+        assert await count() == 1
+        assert await notified_by_a_write()
+        await conn.execute("DELETE FROM sync.consumer_waits WHERE consumer = 'recording-upload'")
+        assert await count() == 0
+        assert not await notified_by_a_write()
+        await conn.execute(SET_WAITING, ("recording-upload", True))
+        await conn.execute("TRUNCATE sync.consumer_waits")
+        assert await count() == 0
+        assert not await notified_by_a_write()
+
+
+async def test_flags_changed_at_once_are_counted_one_after_the_other(backend_dsn: str) -> None:
+    # b announces in a transaction still open while a stops waiting: a recount that did not
+    # wait for b's commit would miss b and leave the count at 0 while b sleeps.
+    await fetch_all(backend_dsn, SET_WAITING + " RETURNING 1", ("a", True))
+    announcing = await psycopg.AsyncConnection.connect(backend_dsn)
+    stopping = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with announcing, stopping:
+        await announcing.execute(SET_WAITING, ("b", True))
+        stopping_pid = stopping.info.backend_pid
+        stopped = asyncio.create_task(stopping.execute(SET_WAITING, ("a", False)))
+
+        async def stopping_waits_for_the_recount_lock() -> bool:
+            state = await fetch_value(
+                backend_dsn,
+                "SELECT wait_event FROM pg_stat_activity WHERE pid = %s",
+                (stopping_pid,),
+            )
+            return bool(state == "advisory")
+
+        await wait_until(stopping_waits_for_the_recount_lock, what="the second recount to queue")
+        await announcing.commit()
+        await stopped
+    assert await fetch_value(backend_dsn, WAITING_COUNT) == 1
