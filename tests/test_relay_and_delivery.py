@@ -173,6 +173,10 @@ async def test_the_generated_relay_writes_each_key_as_its_json_text(backend_dsn:
     keys of any type and for column names that would end a dollar quote or an identifier."""
     keys = {
         "k_bigint": ("bigint", "42"),
+        "k_int": ("integer", "-7"),
+        "k_smallint": ("smallint", "3"),
+        "k_varchar": ("varchar(20)", "'v-1'"),
+        "k_date": ("date", "'2026-01-02'"),
         "k_uuid": ("uuid", "'6f1c2b9e-0a4d-4c1e-9a57-1d2f3e4a5b6c'"),
         "k_numeric": ("numeric", "1.50"),
         "k_time": ("timestamptz", "'2026-01-02 03:04:05.5+09'"),
