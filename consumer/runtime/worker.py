@@ -330,12 +330,14 @@ class ConsumerRuntime:
                     continue
                 lingered = False
                 pacer.observe(batch.count)
+                in_flight.append(self._start_delivery(batch, epoch))
                 if waiting:
+                    # After the delivery has started: the flag only spares producers NOTIFYs,
+                    # and clearing it first would add a round trip to every woken event.
                     await self._with_db_retry(
                         functools.partial(self.store.set_waiting, self.consumer, False)
                     )
                     waiting = False
-                in_flight.append(self._start_delivery(batch, epoch))
                 position = batch.end
                 if batch.count == limit:
                     prefetch = asyncio.create_task(self.store.read_batch(position, limit))
