@@ -1,8 +1,8 @@
 """Upgrading a database that holds data: backend 0006 rebuilds the outbox's key and regenerates
 every relay, 0007 regenerates them again as statement triggers, 0008 with a wake-up check that
-reads a counter; nothing written before is lost,
-reordered or delivered twice, and the relay works after. Receiver 0002 re-collates the entity
-keys; stored entities and their versions stay."""
+reads a counter, and drops the BRIN; nothing written before is lost, reordered or delivered
+twice, and the relay works after. Receiver 0002 re-collates the entity keys; stored entities
+and their versions stay."""
 
 from __future__ import annotations
 
@@ -64,6 +64,12 @@ async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
         " WHERE conrelid = 'sync.events_outbox'::regclass ORDER BY contype",
     )
     assert constraints == [("p", "PRIMARY KEY (txid, seq)")]
+    indexes = await fetch_all(
+        dsn,
+        "SELECT indexname FROM pg_indexes WHERE schemaname = 'sync'"
+        " AND tablename = 'events_outbox'",
+    )
+    assert indexes == [("events_outbox_pkey",)]
     triggers = await fetch_all(
         dsn,
         "SELECT tgname, (tgtype & 1) = 1 AS per_row FROM pg_trigger"
