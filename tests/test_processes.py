@@ -585,6 +585,53 @@ async def test_consumer_rides_out_a_postgres_restart(
     assert set(duplicates) <= set(in_flight.seqs)
 
 
+async def _waiting_and_counted(dsn: str) -> bool:
+    """The one consumer waits, and the relay's count of waiting consumers says so."""
+    try:
+        return bool(
+            await fetch_value(
+                dsn,
+                "SELECT pg_sequence_last_value('sync.waiting_consumers') = 1"
+                " AND (SELECT bool_and(waiting) FROM sync.consumer_waits)",
+            )
+        )
+    except psycopg.OperationalError:
+        return False
+
+
+@pytest.mark.private_cluster
+async def test_after_a_crash_an_idle_consumer_is_woken_by_the_first_commit(
+    private_cluster: PrivateCluster,
+    private_backend_dsn: str,
+    receiver: FaultReceiver,
+    procs: Processes,
+) -> None:
+    """The waiting flags and the relay's count of them are unlogged: a crash empties both. The
+    consumer announces itself again once it has reconnected and found nothing to do, the count
+    follows, and the first commit wakes it; with a 60 s poll timer a lost wake-up would show."""
+    dsn = private_backend_dsn
+    process = procs.consumer(
+        dsn, receiver.url, SYNC_POLL_INTERVAL_SEC="60", SYNC_STANDBY_INTERVAL_SEC="0.2"
+    )
+    await wait_leader(dsn, process)
+    await insert_calls(dsn, 10, tag="before")
+    await wait_all_delivered(dsn, receiver)
+    # The test cluster commits asynchronously: written out, the events outlive the crash.
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute("CHECKPOINT")
+    await wait_until(lambda: _waiting_and_counted(dsn), what="the idle consumer to wait, counted")
+
+    await asyncio.to_thread(private_cluster.stop, "immediate")
+    await asyncio.to_thread(private_cluster.start)
+
+    await wait_until(
+        lambda: _waiting_and_counted(dsn), timeout=30, what="the consumer to wait again, counted"
+    )
+    await insert_calls(dsn, 5, tag="after")
+    await wait_all_delivered(dsn, receiver, timeout=10)
+    assert process.returncode is None, "the consumer died with the database"
+
+
 @pytest.mark.private_cluster
 @pytest.mark.parametrize("moment", ["idle", "commit-pending"])
 async def test_sigterm_while_the_database_is_down(
