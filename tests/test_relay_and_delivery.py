@@ -59,6 +59,53 @@ async def test_key_change_emits_delete_of_old_key(backend_dsn: str) -> None:
     ]
 
 
+REKEY_COLUMNS = (
+    "SELECT t.tgattr::text FROM pg_trigger t WHERE t.tgname = 'sync_rekey'"
+    " AND t.tgrelid = %s::regclass"
+)
+
+
+async def test_a_key_changed_by_a_before_trigger_still_emits_the_delete_of_the_old_key(
+    backend_dsn: str,
+) -> None:
+    # The rekey trigger fires only for UPDATEs that name the key column, unless the table has a
+    # BEFORE UPDATE row trigger when it is tracked: that one may change the key unnamed.
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        for table in ("plain_keys", "moved_keys"):
+            await conn.execute(
+                sql.SQL("CREATE TABLE {} (code text PRIMARY KEY, note text)").format(
+                    sql.Identifier(table)
+                )
+            )
+        await conn.execute(
+            "CREATE FUNCTION move_key() RETURNS trigger LANGUAGE plpgsql AS $$"
+            " BEGIN NEW.code := NEW.code || '-moved'; RETURN NEW; END $$"
+        )
+        await conn.execute(
+            "CREATE TRIGGER move_key BEFORE UPDATE ON moved_keys"
+            " FOR EACH ROW EXECUTE FUNCTION move_key()"
+        )
+        for table in ("plain_keys", "moved_keys"):
+            await conn.execute("SELECT sync.track(%s::regclass, %s, 'code')", (table, table))
+            await conn.execute(
+                sql.SQL("INSERT INTO {} VALUES ('k', 'a')").format(sql.Identifier(table))
+            )
+            await conn.execute(sql.SQL("UPDATE {} SET note = 'b'").format(sql.Identifier(table)))
+    assert await fetch_value(backend_dsn, REKEY_COLUMNS, ("plain_keys",)) == "1"
+    assert await fetch_value(backend_dsn, REKEY_COLUMNS, ("moved_keys",)) == ""
+    events = "SELECT op, entity_id FROM sync.events_outbox WHERE entity_type = %s ORDER BY seq"
+    assert await fetch_all(backend_dsn, events, ("plain_keys",)) == [
+        ("upsert", "k"),
+        ("upsert", "k"),
+    ]
+    assert await fetch_all(backend_dsn, events, ("moved_keys",)) == [
+        ("upsert", "k"),
+        ("delete", "k"),
+        ("upsert", "k-moved"),
+    ]
+
+
 async def _notifications(dsn: str, writes: list[str], *, setup: str | None = None) -> list[str]:
     """Payloads of the sync_outbox notifications that one transaction of `writes` sends."""
     listener = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
