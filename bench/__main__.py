@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import sys
 import tempfile
 import time
@@ -46,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
             "--private",
             action="store_true",
             help="measure on a private throwaway cluster, not the local server",
+        )
+        p.add_argument(
+            "--keep-logs",
+            action="store_true",
+            help="keep the processes' logs after a run that succeeded (a failed run keeps them)",
         )
     p = sub.add_parser("compare", help="print the differences between two result files")
     p.add_argument("a", type=Path)
@@ -138,6 +144,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     result["targets"] = report.targets(result)
     path = report.write(result, name, args.out)
     progress(f"wrote {path}")
+    # A run that failed raised before this point and left its logs where it said they were.
+    if args.keep_logs:
+        progress(f"logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,9 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    logs = re.search(r"logs in (\S+)", result.stderr)
+    assert logs is not None, result.stderr[-3000:]
+    assert not Path(logs.group(1)).exists(), "a run that succeeded leaves no logs behind"
     figures = orjson.loads((tmp_path / "smoke.json").read_bytes())
     drain = figures["drain"]
     assert drain["events"] == 3000
