@@ -24,7 +24,14 @@ from consumer.devdb import PrivateCluster
 from consumer.events import Position
 from consumer.store.outbox import FencedError, OutboxStore
 from consumer.wiring import open_pool
-from tests.conftest import Databases, fetch_all, fetch_value, wait_until
+from tests.conftest import (
+    WAITING_COUNT,
+    Databases,
+    fetch_all,
+    fetch_value,
+    wait_until,
+    waiting_for_notify,
+)
 from tests.helpers_processes import (
     CONSUMER,
     FaultReceiver,
@@ -588,13 +595,7 @@ async def test_consumer_rides_out_a_postgres_restart(
 async def _waiting_and_counted(dsn: str) -> bool:
     """The one consumer waits, and the relay's count of waiting consumers says so."""
     try:
-        return bool(
-            await fetch_value(
-                dsn,
-                "SELECT pg_sequence_last_value('sync.waiting_consumers') = 1"
-                " AND (SELECT bool_and(waiting) FROM sync.consumer_waits)",
-            )
-        )
+        return await waiting_for_notify(dsn) and await fetch_value(dsn, WAITING_COUNT) == 1
     except psycopg.OperationalError:
         return False
 

@@ -8,7 +8,15 @@ import random
 
 import psycopg
 
-from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer, wait_until
+from consumer.queries import query
+from tests.conftest import (
+    WAITING_COUNT,
+    fetch_all,
+    fetch_value,
+    make_settings,
+    running_consumer,
+    wait_until,
+)
 
 WAIT_LOG = """
 CREATE TABLE wait_log (n bigserial PRIMARY KEY, consumer text, waiting boolean);
@@ -101,11 +109,7 @@ async def test_without_listen_the_consumer_polls_and_never_asks_for_wakeups(
     assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.consumer_waits") == 0
 
 
-WAITING_COUNT = "SELECT pg_sequence_last_value('sync.waiting_consumers')"
-SET_WAITING = (
-    "INSERT INTO sync.consumer_waits (consumer, waiting) VALUES (%s, %s) "
-    "ON CONFLICT (consumer) DO UPDATE SET waiting = EXCLUDED.waiting"
-)
+SET_WAITING = query("set_waiting")  # what a consumer runs to announce or clear its flag
 
 
 async def test_the_relay_reads_a_count_of_waiting_consumers_kept_by_every_change(
@@ -130,17 +134,17 @@ async def test_the_relay_reads_a_count_of_waiting_consumers_kept_by_every_change
 
         assert await count() == 0
         assert not await notified_by_a_write()
-        await conn.execute(SET_WAITING, ("frontend-sync", True))
-        await conn.execute(SET_WAITING, ("recording-upload", True))
+        await conn.execute(SET_WAITING, {"consumer": "frontend-sync", "waiting": True})
+        await conn.execute(SET_WAITING, {"consumer": "recording-upload", "waiting": True})
         assert await count() == 2
         assert await notified_by_a_write()
-        await conn.execute(SET_WAITING, ("frontend-sync", False))
+        await conn.execute(SET_WAITING, {"consumer": "frontend-sync", "waiting": False})
         assert await count() == 1
         assert await notified_by_a_write()
         await conn.execute("DELETE FROM sync.consumer_waits WHERE consumer = 'recording-upload'")
         assert await count() == 0
         assert not await notified_by_a_write()
-        await conn.execute(SET_WAITING, ("recording-upload", True))
+        await conn.execute(SET_WAITING, {"consumer": "recording-upload", "waiting": True})
         await conn.execute("TRUNCATE sync.consumer_waits")
         assert await count() == 0
         assert not await notified_by_a_write()
@@ -149,13 +153,15 @@ async def test_the_relay_reads_a_count_of_waiting_consumers_kept_by_every_change
 async def test_flags_changed_at_once_are_counted_one_after_the_other(backend_dsn: str) -> None:
     # b announces in a transaction still open while a stops waiting: a recount that did not
     # wait for b's commit would miss b and leave the count at 0 while b sleeps.
-    await fetch_all(backend_dsn, SET_WAITING + " RETURNING 1", ("a", True))
     announcing = await psycopg.AsyncConnection.connect(backend_dsn)
     stopping = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
     async with announcing, stopping:
-        await announcing.execute(SET_WAITING, ("b", True))
+        await stopping.execute(SET_WAITING, {"consumer": "a", "waiting": True})
+        await announcing.execute(SET_WAITING, {"consumer": "b", "waiting": True})
         stopping_pid = stopping.info.backend_pid
-        stopped = asyncio.create_task(stopping.execute(SET_WAITING, ("a", False)))
+        stopped = asyncio.create_task(
+            stopping.execute(SET_WAITING, {"consumer": "a", "waiting": False})
+        )
 
         async def stopping_waits_for_the_recount_lock() -> bool:
             state = await fetch_value(
