@@ -1,4 +1,5 @@
-"""`python -m bench [drain|latency|producer|all] [--quick]` and `python -m bench compare A B`."""
+"""`python -m bench [drain|latency|producer|all] [--quick]`, `python -m bench instructions` and
+`python -m bench compare A B`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import drain, latency, producer, report
+from bench import drain, instructions, latency, producer, report
 from bench.harness import bench_server, execute, fresh_databases, machine, produce_calls, progress
 
 
@@ -53,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="keep the processes' logs after a run that succeeded (a failed run keeps them)",
         )
+    p = sub.add_parser(
+        "instructions",
+        help="count with callgrind the instructions the relay adds to a single-row statement",
+    )
+    p.add_argument("--quick", action="store_true", help="short runs: a smoke check")
+    p.add_argument("--name", help="result file name (default: timestamp)")
+    p.add_argument("--out", type=Path, default=report.RESULTS, help="folder for the JSON and PNG")
     p = sub.add_parser("compare", help="print the differences between two result files")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
@@ -152,8 +160,41 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _count_instructions(args: argparse.Namespace) -> dict[str, Any]:
+    name = args.name or time.strftime("%Y%m%d-%H%M%S") + "-instructions"
+    result: dict[str, Any] = {
+        "name": name,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "parameters": {
+            "quick": args.quick,
+            "server": "private cluster, single-user backends under callgrind",
+        },
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
+    try:
+        result["instructions"] = instructions.run_instructions(workdir, quick=args.quick)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    progress(f"wrote {report.write(result, name, args.out)}")
+    return result
+
+
 def _summary(result: dict[str, Any]) -> str:
     lines = []
+    if "instructions" in result:
+        i = result["instructions"]
+        per = i["thousand_instructions_per_statement"]
+        lines.append(
+            "thousands of instructions per single-row statement, each its own transaction:"
+        )
+        for kind in instructions.KINDS:
+            lines.append(
+                f"  {kind}: untracked {per[f'{kind}_untracked']}, tracked {per[f'{kind}_tracked']}"
+                f" (relay +{i['relay_added'][kind]}), minimal trigger {per[f'{kind}_minimal']}"
+                f" (+{i['minimal_trigger_added'][kind]}); relay / minimal trigger"
+                f" {i['relay_to_minimal_trigger'][kind]}"
+            )
     if "drain" in result:
         d = result["drain"]
         lines.append(f"drain of {d['events']:,} events, batch {d['batch_size']}:")
@@ -206,14 +247,22 @@ def _summary(result: dict[str, Any]) -> str:
                 f" minimal row trigger: {p['bulk_tracked_to_minimal_trigger']:.3f}"
             )
         cost = p["relay_cost"]
-        us = cost["us_per_statement"]
-        lines.append(
-            "relay cost per row, one session, single-row statements (us): "
-            f"insert {us['insert_untracked']} -> {us['insert_tracked']} "
-            f"(+{cost['relay_us_per_row']['insert']}), "
-            f"update {us['update_untracked']} -> {us['update_tracked']} "
-            f"(+{cost['relay_us_per_row']['update']})"
-        )
+        for timings, said in (
+            ("one_transaction", "all in one transaction"),
+            ("own_transactions", "each its own transaction"),
+        ):
+            if timings not in cost:  # results written before the split
+                continue
+            us, relay = cost[timings]["us_per_statement"], cost[timings]["relay_us_per_row"]
+            minimal = cost[timings]["minimal_trigger_us_per_row"]
+            lines.append(
+                f"relay cost per row, one session, single-row statements {said} (us): "
+                + ", ".join(
+                    f"{kind} {us[f'{kind}_untracked']} -> {us[f'{kind}_tracked']} "
+                    f"(+{relay[kind]}; minimal trigger +{minimal[kind]})"
+                    for kind in ("insert", "update")
+                )
+            )
     for key, check in result.get("targets", {}).items():
         mark = "ok  " if check["met"] else "MISS"
         lines.append(f"[{mark}] {key}: {check['measured']} (target {check['target']})")
@@ -225,6 +274,14 @@ def main() -> int:
     args = _parser().parse_args()
     if args.command == "compare":
         print(report.compare(args.a, args.b))
+        return 0
+    if args.command == "instructions":
+        try:
+            result = _count_instructions(args)
+        except instructions.NoValgrindError as exc:
+            print(f"python -m bench instructions: {exc}", file=sys.stderr)
+            return 2
+        print(_summary(result))
         return 0
     result = asyncio.run(_run(args))
     print(_summary(result))

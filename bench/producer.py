@@ -19,8 +19,8 @@ consumer's, and the rest, which is PostgreSQL's; the machine is CPU-bound in the
 figure says where each mode's transactions went.
 
 Before the pgbench runs, `relay_cost_per_row` times single-row statements in one session on
-the server, untracked and tracked: the relay's own cost per changed row, without pgbench's
-run-to-run noise.
+the server, untracked, tracked and under the minimal trigger, all in one transaction and each
+in its own: the relay's own cost per changed row, without pgbench's run-to-run noise.
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ MINIMAL_TRIGGER = [
 ]
 
 
-async def _prepare(env: BenchEnv) -> None:
+async def prepare_tables(env: BenchEnv) -> None:
+    """The bench's tables, seeded alike: untracked, tracked by the relay, and under the minimal
+    trigger."""
     for table in ("bench_plain", "bench_tracked", "bench_minimal"):
         name, ids = sql.Identifier(table), sql.Identifier(f"{table}_ids")
         for statement in (
@@ -309,66 +311,91 @@ async def _run_mode(
 
 
 # One session writes single-row statements in a server-side loop, so the figure is the server's
-# own cost per statement: no client, no round trip, no commit, no other session to share the
-# CPU with. The tracked minus the untracked figure is what the relay adds to each changed row.
-# The statements are static (planned once, as a producer's prepared statements would be).
+# own cost per statement: no client, no round trip, no other session to share the CPU with.
+# The tracked minus the untracked figure is what the relay adds to each changed row. The loop
+# runs twice: all in one transaction, and committing after every statement as a producer's
+# single-statement transactions do (PL/pgSQL sets up each expression a trigger evaluates once
+# per transaction, so the relay costs more there). The statements are static (planned once, as
+# a producer's prepared statements would be).
 TIMED_WRITES = """
-CREATE OR REPLACE FUNCTION {function}(kind text, n int)
-RETURNS float8 LANGUAGE plpgsql AS $$
+CREATE OR REPLACE PROCEDURE {procedure}(kind text, n int, commit_each boolean, INOUT us float8)
+LANGUAGE plpgsql AS $$
 DECLARE
     started timestamptz := clock_timestamp();
 BEGIN
     IF kind = 'insert' THEN
         FOR i IN 1..n LOOP
             INSERT INTO {table} (id, v, note) VALUES (nextval({ids}), 1, repeat('x', 200));
+            IF commit_each THEN
+                COMMIT;
+            END IF;
         END LOOP;
     ELSE
         FOR i IN 1..n LOOP
             UPDATE {table} SET v = v + 1 WHERE id = i % 10000 + 1;
+            IF commit_each THEN
+                COMMIT;
+            END IF;
         END LOOP;
     END IF;
-    RETURN extract(epoch FROM clock_timestamp() - started) * 1e6 / n;
+    us := extract(epoch FROM clock_timestamp() - started) * 1e6 / n;
 END;
 $$
 """
+RELAY_COST_TABLES = {
+    "untracked": "bench_plain",
+    "tracked": "bench_tracked",
+    "minimal": "bench_minimal",
+}
 
 
 async def relay_cost_per_row(env: BenchEnv, *, statements: int, rounds: int) -> dict[str, Any]:
-    """Server time per single-row INSERT and UPDATE statement, untracked and tracked (wake-up
-    check on, nobody waiting), medians of `rounds` alternating runs; and the difference, the
-    relay's cost per changed row."""
-    tables = {"untracked": "bench_plain", "tracked": "bench_tracked"}
-    for table in tables.values():
+    """Server time per single-row INSERT and UPDATE statement, untracked, tracked (wake-up
+    check on, nobody waiting) and under the minimal trigger, all in one transaction and each in
+    its own; medians of `rounds` alternating runs; and what the relay and the minimal trigger
+    add to each changed row."""
+    for table in RELAY_COST_TABLES.values():
         await execute(
             env.backend,
             sql.SQL(TIMED_WRITES).format(
-                function=sql.Identifier(f"time_writes_{table}"),
+                procedure=sql.Identifier(f"time_writes_{table}"),
                 table=sql.Identifier(table),
                 ids=sql.Literal(f"{table}_ids"),
             ),
         )
-    runs: dict[str, list[float]] = {}
+    runs: dict[str, dict[str, list[float]]] = {"one_transaction": {}, "own_transactions": {}}
     for round_ in range(rounds):
         progress(f"producer: relay cost per row, round {round_ + 1}/{rounds}")
-        for kind in ("insert", "update"):
-            for which, table in tables.items():
-                rows = await execute(
-                    env.backend,
-                    sql.SQL("SELECT {}(%s, %s)").format(sql.Identifier(f"time_writes_{table}")),
-                    (kind, statements),
-                )
-                runs.setdefault(f"{kind}_{which}", []).append(round(float(rows[0][0]), 2))
-    us = {name: statistics.median(values) for name, values in runs.items()}
-    return {
-        "statements": statements,
-        "rounds": rounds,
-        "us_per_statement": {k: round(v, 2) for k, v in us.items()},
-        "us_per_statement_runs": runs,
-        "relay_us_per_row": {
-            kind: round(us[f"{kind}_tracked"] - us[f"{kind}_untracked"], 2)
+        for commit_each, timings in ((False, "one_transaction"), (True, "own_transactions")):
+            for kind in ("insert", "update"):
+                for which, table in RELAY_COST_TABLES.items():
+                    rows = await execute(
+                        env.backend,
+                        sql.SQL("CALL {}(%s, %s, %s, NULL)").format(
+                            sql.Identifier(f"time_writes_{table}")
+                        ),
+                        (kind, statements, commit_each),
+                    )
+                    runs[timings].setdefault(f"{kind}_{which}", []).append(
+                        round(float(rows[0][0]), 2)
+                    )
+
+    def added(us: dict[str, float], which: str) -> dict[str, float]:
+        return {
+            kind: round(us[f"{kind}_{which}"] - us[f"{kind}_untracked"], 2)
             for kind in ("insert", "update")
-        },
-    }
+        }
+
+    result: dict[str, Any] = {"statements": statements, "rounds": rounds}
+    for timings, per_name in runs.items():
+        us = {name: statistics.median(values) for name, values in per_name.items()}
+        result[timings] = {
+            "us_per_statement": {k: round(v, 2) for k, v in us.items()},
+            "us_per_statement_runs": per_name,
+            "relay_us_per_row": added(us, "tracked"),
+            "minimal_trigger_us_per_row": added(us, "minimal"),
+        }
+    return result
 
 
 async def run_producer(
@@ -381,7 +408,7 @@ async def run_producer(
     `rounds` interleaved rounds (every mode once per round) and each figure is the median of its
     runs; the runs themselves are kept in the result.
     """
-    await _prepare(env)
+    await prepare_tables(env)
     per_row = await relay_cost_per_row(env, statements=statements, rounds=max(rounds, 3))
     runs: dict[str, list[float]] = {}
     cpu_runs: dict[str, list[dict[str, float]]] = {}

@@ -117,7 +117,7 @@ def chart(result: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
         return False
-    panels = [p for p in ("drain", "latency", "producer") if result.get(p)]
+    panels = [p for p in ("drain", "latency", "producer", "instructions") if result.get(p)]
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
@@ -148,6 +148,13 @@ def chart(result: dict[str, Any], path: Path) -> bool:
             ax.set_ylabel("commit -> applied (ms)")
             ax.set_title("latency")
             ax.legend()
+        elif panel == "instructions":
+            per = result["instructions"]["thousand_instructions_per_statement"]
+            labels = [key.replace("_", "\n") for key in per]
+            ax.bar(labels, list(per.values()), color="#72a")
+            ax.set_ylabel("thousand instructions per statement")
+            ax.set_title("single-row statements (callgrind)")
+            ax.tick_params(axis="x", labelsize=7)
         else:
             ratios = result["producer"]["ratio_to_untracked"]
             ax.bar([k.replace("_", "\n") for k in ratios], list(ratios.values()), color="#a72")

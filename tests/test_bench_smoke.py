@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,6 +21,7 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
             "-m",
             "bench",
             "all",
+            "--quick",
             "--events",
             "3000",
             "--seconds",
@@ -65,10 +68,47 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
     assert cpu["untracked"]["total"] > 0
     assert {"postgres", "pgbench", "consumer", "total", "steal"} <= set(cpu["tracked_wakeups_on"])
     assert "producer_tracked_wakeups_on_ratio" in figures["targets"]
-    relay = figures["producer"]["relay_cost"]["us_per_statement"]
-    kinds = {f"{op}_{table}" for op in ("insert", "update") for table in ("untracked", "tracked")}
-    assert set(relay) == kinds
-    assert all(us > 0 for us in relay.values())
-    assert "relay cost per row" in result.stdout
+    kinds = {
+        f"{op}_{table}"
+        for op in ("insert", "update")
+        for table in ("untracked", "tracked", "minimal")
+    }
+    for timings in ("one_transaction", "own_transactions"):
+        relay = figures["producer"]["relay_cost"][timings]["us_per_statement"]
+        assert set(relay) == kinds
+        assert all(us > 0 for us in relay.values())
+    assert "single-row statements each its own transaction" in result.stdout
     assert (tmp_path / "smoke.png").stat().st_size > 1000
     assert "drain of 3,000 events" in result.stdout
+
+
+@pytest.mark.skipif(
+    shutil.which("valgrind") is None,
+    reason="valgrind is not installed (Debian package valgrind; .ci/run installs it)",
+)
+def test_bench_instructions_counts_what_the_relay_adds(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "bench", "instructions", "--quick"),
+            *("--name", "count", "--out", str(tmp_path)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = orjson.loads((tmp_path / "count.json").read_bytes())["instructions"]
+    per_statement = counts["thousand_instructions_per_statement"]
+    assert set(per_statement) == {
+        f"{kind}_{table}"
+        for kind in ("insert", "update")
+        for table in ("untracked", "tracked", "minimal")
+    }
+    # Both triggers write a row more than the untracked statement: each adds instructions.
+    for kind in ("insert", "update"):
+        assert counts["relay_added"][kind] > 0
+        assert counts["minimal_trigger_added"][kind] > 0
+    assert "relay / minimal trigger" in result.stdout
+    assert (tmp_path / "count.png").stat().st_size > 1000

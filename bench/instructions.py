@@ -1,0 +1,168 @@
+"""Instructions the relay adds to a producer's statement, counted with callgrind.
+
+pgbench's tps on this machine vary by up to 45 % from one run to the next, too much to see a
+change of a few percent in the relay. An instruction count repeats to about 0.1 %: a
+single-user PostgreSQL backend (`postgres --single`) runs the statements under valgrind's
+callgrind, on a fresh copy of one stopped cluster for every count, each statement its own
+transaction as a producer's single-row transactions are. Every figure is a marginal count per
+statement: the difference between a long and a short run over the difference in statements,
+which leaves out the backend's start and end.
+
+The tables are the producer bench's (bench/producer.py): untracked, tracked by the relay (the
+wake-up check on, no consumer waiting) and under the minimal trigger; what the relay and the
+minimal trigger add is their count less the untracked one. Instructions are not time: under
+load, on two shared cores, each of them costs more than in this single backend alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from psycopg import sql
+
+from bench import producer
+from bench.harness import BACKEND_DB, BenchEnv, progress
+from consumer.devdb import PrivateCluster, Server, fresh_database, start_private_cluster
+
+KINDS = ("insert", "update")
+# Statements in the short and the long run of each count.
+RUNS = (300, 1300)
+QUICK_RUNS = (20, 120)
+
+
+class NoValgrindError(Exception):
+    """valgrind is not installed."""
+
+
+def _statements(kind: str, table: str, count: int) -> str:
+    """`count` single-row statements, a line each (the single-user backend's statement end)."""
+    if kind == "insert":
+        insert = sql.SQL(
+            "INSERT INTO {} (id, v, note) VALUES (nextval({}), 1, repeat('x', 200));\n"
+        ).format(sql.Identifier(table), sql.Literal(f"{table}_ids"))
+        return count * insert.as_string(None)
+    # Rows spread over the seed rows, the same ones in every table.
+    update = sql.SQL("UPDATE {} SET v = v + 1 WHERE id = {};\n")
+    return "".join(
+        update.format(sql.Identifier(table), i * 37 % producer.SEED_ROWS + 1).as_string(None)
+        for i in range(count)
+    )
+
+
+def _as_postgres(command: list[str]) -> list[str]:
+    # postgres refuses to run as root.
+    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
+
+
+def _count(cluster: PrivateCluster, valgrind: str, name: str, script: str) -> int:
+    """Instructions of one single-user backend running `script` on a copy of the cluster."""
+    copy, out = cluster.root / f"copy-{name}", cluster.root / f"callgrind-{name}.out"
+    statements = cluster.root / f"{name}.sql"
+    statements.write_text(script)
+    # cp -a keeps the files' owner, which postgres checks.
+    subprocess.run(["cp", "-a", str(cluster.datadir), str(copy)], check=True)
+    try:
+        with statements.open("rb") as stdin:
+            result = subprocess.run(
+                _as_postgres(
+                    [
+                        valgrind,
+                        "--tool=callgrind",
+                        f"--callgrind-out-file={out}",
+                        str(cluster.bindir / "postgres"),
+                        "--single",
+                        "-D",
+                        str(copy),
+                        *("-c", "fsync=off", "-c", "synchronous_commit=off"),
+                        *("-c", "full_page_writes=off", "-c", "autovacuum=off"),
+                        BACKEND_DB,
+                    ]
+                ),
+                stdin=stdin,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+        if result.returncode != 0 or "ERROR:" in result.stdout + result.stderr:
+            raise RuntimeError(f"single-user backend failed on {name}: {result.stderr[-500:]}")
+        for line in out.read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+        raise RuntimeError(f"{out}: no instruction total")
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+        out.unlink(missing_ok=True)
+        statements.unlink(missing_ok=True)
+
+
+async def _template(workdir: Path) -> PrivateCluster:
+    """A stopped private cluster with the backend migrated and the producer bench's tables."""
+    cluster = start_private_cluster()
+    try:
+        server = Server(cluster.dsn, cluster=cluster)
+        backend = await fresh_database(server.dsn, BACKEND_DB, ["backend"])
+        await producer.prepare_tables(BenchEnv(server, backend, "", workdir))
+        cluster.stop("fast")
+    except BaseException:
+        cluster.destroy()
+        raise
+    return cluster
+
+
+def run_instructions(workdir: Path, *, quick: bool = False) -> dict[str, Any]:
+    """Thousands of instructions per single-row statement, per table and kind, and what the
+    relay and the minimal trigger add to each (`quick`: short runs, a smoke check)."""
+    short, long = QUICK_RUNS if quick else RUNS
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise NoValgrindError("valgrind is not installed (Debian: apt-get install valgrind)")
+    cluster = asyncio.run(_template(workdir))
+    try:
+        jobs = {
+            (kind, which, count): _statements(kind, table, count)
+            for kind in KINDS
+            for which, table in producer.RELAY_COST_TABLES.items()
+            for count in (short, long)
+        }
+        progress(f"instructions: {len(jobs)} single-user runs under callgrind")
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            totals = dict(
+                zip(
+                    jobs,
+                    pool.map(
+                        lambda job: _count(cluster, valgrind, "-".join(map(str, job[0])), job[1]),
+                        jobs.items(),
+                    ),
+                    strict=True,
+                )
+            )
+    finally:
+        cluster.destroy()
+    per_statement = {
+        f"{kind}_{which}": round(
+            (totals[kind, which, long] - totals[kind, which, short]) / (long - short) / 1000, 1
+        )
+        for kind in KINDS
+        for which in producer.RELAY_COST_TABLES
+    }
+
+    def added(which: str) -> dict[str, float]:
+        return {
+            kind: round(per_statement[f"{kind}_{which}"] - per_statement[f"{kind}_untracked"], 1)
+            for kind in KINDS
+        }
+
+    relay, minimal = added("tracked"), added("minimal")
+    return {
+        "statements": long - short,
+        "thousand_instructions_per_statement": per_statement,
+        "relay_added": relay,
+        "minimal_trigger_added": minimal,
+        "relay_to_minimal_trigger": {kind: round(relay[kind] / minimal[kind], 2) for kind in KINDS},
+    }
