@@ -261,10 +261,14 @@ async def test_the_generated_relay_writes_each_key_as_its_json_text(backend_dsn:
             assert key_text is not None, column
             assert entity_id == key_text, column
     async with await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True) as conn:
-        relays = "SELECT count(*) FROM pg_proc WHERE proname = 'relay_' || %s::regclass::oid"
-        assert await fetch_value(backend_dsn, relays, ("keyed_0",)) == 1
+        # The generated functions: upserts, deletes and key changes; untracking drops them.
+        generated = (
+            "SELECT count(*) FROM pg_proc WHERE pronamespace = 'sync'::regnamespace"
+            " AND proname ~ ('^(relay|relay_delete|rekey)_' || %s::regclass::oid || '$')"
+        )
+        assert await fetch_value(backend_dsn, generated, ("keyed_0",)) == 3
         await conn.execute("SELECT sync.untrack('keyed_0')")
-        assert await fetch_value(backend_dsn, relays, ("keyed_0",)) == 0
+        assert await fetch_value(backend_dsn, generated, ("keyed_0",)) == 0
 
 
 async def test_a_row_with_an_empty_or_null_key_is_refused_with_its_table_named(
@@ -409,8 +413,19 @@ async def test_a_partitioned_table_relays_writes_made_through_any_partition(
             "SELECT table_name::text FROM sync.tracked_tables WHERE table_name::text ^@ 'readings'",
         )
         assert tracked == [("readings",)]  # not each partition as well
+        triggers = await fetch_all(
+            backend_dsn,
+            "SELECT tgrelid::regclass::text, tgname, (tgtype & 1) = 1 AS per_row FROM pg_trigger"
+            " WHERE tgname ^@ 'sync_relay' AND tgrelid::regclass::text ^@ 'readings' ORDER BY 1, 2",
+        )
+        assert triggers == [
+            (table, name, True)
+            for table in ("readings", "readings_north", "readings_south")
+            for name in ("sync_relay", "sync_relay_delete")
+        ]
         await conn.execute("SELECT sync.untrack('public.readings')")
         await conn.execute("INSERT INTO readings_south VALUES (4, 's', 40)")
+        await conn.execute("DELETE FROM readings_south WHERE id = 2")
     rows = await fetch_all(
         backend_dsn,
         "SELECT op, entity_id, (payload->>'value')::int FROM sync.events_outbox ORDER BY seq",

@@ -1,8 +1,8 @@
 """Upgrading a database that holds data: backend 0006 rebuilds the outbox's key and regenerates
 every relay, 0007 regenerates them again as statement triggers, 0008 with a wake-up check that
-reads a counter, and drops the BRIN; nothing written before is lost, reordered or delivered
-twice, and the relay works after. Receiver 0002 re-collates the entity keys; stored entities
-and their versions stay."""
+reads a counter, and drops the BRIN, 0009 as one function per operation; nothing written before
+is lost, reordered or delivered twice, and the relay works after. Receiver 0002 re-collates the
+entity keys; stored entities and their versions stay."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
     monkeypatch.undo()
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         applied = await migrations.migrate(conn, ["backend", "voicebot"])
-    assert [m.version for m in applied] == ["0006", "0007", "0008"]
+    assert [m.version for m in applied] == ["0006", "0007", "0008", "0009"]
 
     assert await fetch_all(dsn, OUTBOX + " ORDER BY o.txid, o.seq") == written
     constraints = await fetch_all(
