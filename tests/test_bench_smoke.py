@@ -14,29 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
+def _bench(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`python -m bench ...`, which must succeed."""
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "all",
-            "--quick",
-            "--events",
-            "3000",
-            "--seconds",
-            "1",
-            "--rounds",
-            "1",
-            "--rate",
-            "100",
-            "--poll-interval",
-            "0.3",
-            "--name",
-            "smoke",
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "bench", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -44,6 +25,14 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
+    result = _bench(
+        *("all", "--quick", "--events", "3000", "--seconds", "1", "--rounds", "1"),
+        *("--rate", "100", "--poll-interval", "0.3", "--name", "smoke", "--out", str(tmp_path)),
+    )
     logs = re.search(r"logs in (\S+)", result.stderr)
     assert logs is not None, result.stderr[-3000:]
     assert not Path(logs.group(1)).exists(), "a run that succeeded leaves no logs behind"
@@ -87,18 +76,7 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
     reason="valgrind is not installed (Debian package valgrind; .ci/run installs it)",
 )
 def test_bench_instructions_counts_what_the_relay_adds(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "bench", "instructions", "--quick"),
-            *("--name", "count", "--out", str(tmp_path)),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _bench("instructions", "--quick", "--name", "count", "--out", str(tmp_path))
     counts = orjson.loads((tmp_path / "count.json").read_bytes())["instructions"]
     per_statement = counts["thousand_instructions_per_statement"]
     assert set(per_statement) == {
