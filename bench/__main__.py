@@ -171,11 +171,7 @@ def _count_instructions(args: argparse.Namespace) -> dict[str, Any]:
             "server": "private cluster, single-user backends under callgrind",
         },
     }
-    workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
-    try:
-        result["instructions"] = instructions.run_instructions(workdir, quick=args.quick)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    result["instructions"] = instructions.run_instructions(quick=args.quick)
     progress(f"wrote {report.write(result, name, args.out)}")
     return result
 

@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from psycopg import sql
@@ -101,13 +100,13 @@ def _count(cluster: PrivateCluster, valgrind: str, name: str, script: str) -> in
         statements.unlink(missing_ok=True)
 
 
-async def _template(workdir: Path) -> PrivateCluster:
+async def _template() -> PrivateCluster:
     """A stopped private cluster with the backend migrated and the producer bench's tables."""
     cluster = start_private_cluster()
     try:
         server = Server(cluster.dsn, cluster=cluster)
         backend = await fresh_database(server.dsn, BACKEND_DB, ["backend"])
-        await producer.prepare_tables(BenchEnv(server, backend, "", workdir))
+        await producer.prepare_tables(BenchEnv(server, backend, "", cluster.root))
         cluster.stop("fast")
     except BaseException:
         cluster.destroy()
@@ -115,14 +114,14 @@ async def _template(workdir: Path) -> PrivateCluster:
     return cluster
 
 
-def run_instructions(workdir: Path, *, quick: bool = False) -> dict[str, Any]:
+def run_instructions(*, quick: bool = False) -> dict[str, Any]:
     """Thousands of instructions per single-row statement, per table and kind, and what the
     relay and the minimal trigger add to each (`quick`: short runs, a smoke check)."""
     short, long = QUICK_RUNS if quick else RUNS
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise NoValgrindError("valgrind is not installed (Debian: apt-get install valgrind)")
-    cluster = asyncio.run(_template(workdir))
+    cluster = asyncio.run(_template())
     try:
         jobs = {
             (kind, which, count): _statements(kind, table, count)
