@@ -28,11 +28,13 @@ DECLARE
     relay text := format('sync.%I', 'relay_' || target::oid);
     relay_delete text := format('sync.%I', 'relay_delete_' || target::oid);
     rekey text := format('sync.%I', 'rekey_' || target::oid);
-    -- The wake-up (0002, 0008), %s: what else the first test needs. sync.notify = 'always'
-    -- notifies in every transaction, 'off' in none; unset, empty or 'auto', a transaction
-    -- notifies while some consumer waits. Written as two tests so that the one every statement
-    -- makes is small: PL/pgSQL sets up an expression again in every transaction, at a cost that
-    -- grows with its size (0008's one CASE cost ~16k instructions a statement, these ~11k).
+    -- The wake-up that follows the outbox INSERT (0002, 0008); %s is 'FOUND AND ' in a
+    -- statement trigger, which wakes nobody when its statement changed no row. sync.notify =
+    -- 'always' notifies in every transaction, 'off' in none; unset, empty or 'auto', a
+    -- transaction notifies while some consumer waits. Written as two tests so that the one every
+    -- statement makes is small: PL/pgSQL sets up an expression again in every transaction, at a
+    -- cost that grows with its size (0008's one CASE cost ~16k instructions a statement, these
+    -- ~11k).
     wake_up text := $wake$
             IF %s(pg_sequence_last_value('sync.waiting_consumers') > 0
                   OR current_setting('sync.notify', true) = 'always') THEN
