@@ -184,7 +184,7 @@ def _summary(result: dict[str, Any]) -> str:
         lines.append(
             "thousands of instructions per single-row statement, each its own transaction:"
         )
-        for kind in instructions.KINDS:
+        for kind in producer.KINDS:
             lines.append(
                 f"  {kind}: untracked {per[f'{kind}_untracked']}, tracked {per[f'{kind}_tracked']}"
                 f" (relay +{i['relay_added'][kind]}), minimal trigger {per[f'{kind}_minimal']}"
@@ -256,7 +256,7 @@ def _summary(result: dict[str, Any]) -> str:
                 + ", ".join(
                     f"{kind} {us[f'{kind}_untracked']} -> {us[f'{kind}_tracked']} "
                     f"(+{relay[kind]}; minimal trigger +{minimal[kind]})"
-                    for kind in ("insert", "update")
+                    for kind in producer.KINDS
                 )
             )
     for key, check in result.get("targets", {}).items():

@@ -26,10 +26,9 @@ from typing import Any
 from psycopg import sql
 
 from bench import producer
-from bench.harness import BACKEND_DB, BenchEnv, progress
-from consumer.devdb import PrivateCluster, Server, fresh_database, start_private_cluster
+from bench.harness import BACKEND_DB, progress
+from consumer.devdb import PrivateCluster, fresh_database, start_private_cluster
 
-KINDS = ("insert", "update")
 # Statements in the short and the long run of each count.
 RUNS = (300, 1300)
 QUICK_RUNS = (20, 120)
@@ -104,9 +103,8 @@ async def _template() -> PrivateCluster:
     """A stopped private cluster with the backend migrated and the producer bench's tables."""
     cluster = start_private_cluster()
     try:
-        server = Server(cluster.dsn, cluster=cluster)
-        backend = await fresh_database(server.dsn, BACKEND_DB, ["backend"])
-        await producer.prepare_tables(BenchEnv(server, backend, "", cluster.root))
+        backend = await fresh_database(cluster.dsn, BACKEND_DB, ["backend"])
+        await producer.prepare_tables(backend)
         cluster.stop("fast")
     except BaseException:
         cluster.destroy()
@@ -125,7 +123,7 @@ def run_instructions(*, quick: bool = False) -> dict[str, Any]:
     try:
         jobs = {
             (kind, which, count): _statements(kind, table, count)
-            for kind in KINDS
+            for kind in producer.KINDS
             for which, table in producer.RELAY_COST_TABLES.items()
             for count in (short, long)
         }
@@ -147,14 +145,14 @@ def run_instructions(*, quick: bool = False) -> dict[str, Any]:
         f"{kind}_{which}": round(
             (totals[kind, which, long] - totals[kind, which, short]) / (long - short) / 1000, 1
         )
-        for kind in KINDS
+        for kind in producer.KINDS
         for which in producer.RELAY_COST_TABLES
     }
 
     def added(which: str) -> dict[str, float]:
         return {
             kind: round(per_statement[f"{kind}_{which}"] - per_statement[f"{kind}_untracked"], 1)
-            for kind in KINDS
+            for kind in producer.KINDS
         }
 
     relay, minimal = added("tracked"), added("minimal")
@@ -163,5 +161,7 @@ def run_instructions(*, quick: bool = False) -> dict[str, Any]:
         "thousand_instructions_per_statement": per_statement,
         "relay_added": relay,
         "minimal_trigger_added": minimal,
-        "relay_to_minimal_trigger": {kind: round(relay[kind] / minimal[kind], 2) for kind in KINDS},
+        "relay_to_minimal_trigger": {
+            kind: round(relay[kind] / minimal[kind], 2) for kind in producer.KINDS
+        },
     }

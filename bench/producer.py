@@ -97,9 +97,9 @@ MINIMAL_TRIGGER = [
 ]
 
 
-async def prepare_tables(env: BenchEnv) -> None:
-    """The bench's tables, seeded alike: untracked, tracked by the relay, and under the minimal
-    trigger."""
+async def prepare_tables(backend: str) -> None:
+    """The bench's tables in the `backend` database, seeded alike: untracked, tracked by the
+    relay, and under the minimal trigger."""
     for table in ("bench_plain", "bench_tracked", "bench_minimal"):
         name, ids = sql.Identifier(table), sql.Identifier(f"{table}_ids")
         for statement in (
@@ -113,10 +113,10 @@ async def prepare_tables(env: BenchEnv) -> None:
                 name, SEED_ROWS
             ),
         ):
-            await execute(env.backend, statement)
-    await execute(env.backend, "SELECT sync.track('public.bench_tracked', 'bench_item')")
+            await execute(backend, statement)
+    await execute(backend, "SELECT sync.track('public.bench_tracked', 'bench_item')")
     for ddl in MINIMAL_TRIGGER:
-        await execute(env.backend, ddl)
+        await execute(backend, ddl)
 
 
 def _pgbench(env: BenchEnv, mode: Mode, seconds: int, clients: int) -> tuple[float, int]:
@@ -342,6 +342,8 @@ BEGIN
 END;
 $$
 """
+# The single-row statements both relay cost measurements time, and their tables.
+KINDS = ("insert", "update")
 RELAY_COST_TABLES = {
     "untracked": "bench_plain",
     "tracked": "bench_tracked",
@@ -367,7 +369,7 @@ async def relay_cost_per_row(env: BenchEnv, *, statements: int, rounds: int) -> 
     for round_ in range(rounds):
         progress(f"producer: relay cost per row, round {round_ + 1}/{rounds}")
         for commit_each, timings in ((False, "one_transaction"), (True, "own_transactions")):
-            for kind in ("insert", "update"):
+            for kind in KINDS:
                 for which, table in RELAY_COST_TABLES.items():
                     rows = await execute(
                         env.backend,
@@ -381,10 +383,7 @@ async def relay_cost_per_row(env: BenchEnv, *, statements: int, rounds: int) -> 
                     )
 
     def added(us: dict[str, float], which: str) -> dict[str, float]:
-        return {
-            kind: round(us[f"{kind}_{which}"] - us[f"{kind}_untracked"], 2)
-            for kind in ("insert", "update")
-        }
+        return {kind: round(us[f"{kind}_{which}"] - us[f"{kind}_untracked"], 2) for kind in KINDS}
 
     result: dict[str, Any] = {"statements": statements, "rounds": rounds}
     for timings, per_name in runs.items():
@@ -408,7 +407,7 @@ async def run_producer(
     `rounds` interleaved rounds (every mode once per round) and each figure is the median of its
     runs; the runs themselves are kept in the result.
     """
-    await prepare_tables(env)
+    await prepare_tables(env.backend)
     per_row = await relay_cost_per_row(env, statements=statements, rounds=max(rounds, 3))
     runs: dict[str, list[float]] = {}
     cpu_runs: dict[str, list[dict[str, float]]] = {}
