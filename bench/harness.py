@@ -51,7 +51,7 @@ class BenchEnv:
 
 async def fresh_databases(server: Server, workdir: Path) -> BenchEnv:
     """Recreate and migrate the bench's backend and receiver databases."""
-    backend = await fresh_database(server.dsn, BACKEND_DB, ["backend", "voicebot"])
+    backend = await fresh_database(server.dsn, BACKEND_DB, ["backend"], examples=True)
     frontend = await fresh_database(server.dsn, FRONTEND_DB, ["receiver"])
     return BenchEnv(server, backend, frontend, workdir)
 

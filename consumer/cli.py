@@ -15,6 +15,7 @@ import orjson
 
 from consumer import migrations
 from consumer.deadletters import DeadLetters
+from consumer.redact import printable
 from consumer.settings import ConfigError, ReceiverSettings, SyncSettings, load
 from consumer.store import admin, retention
 from consumer.store.dlq import DEFAULT_PAGE_SIZE, DlqError, DlqMessage, DlqStore
@@ -47,11 +48,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("migrate", help="apply the SQL migrations (DATABASE_URL)")
-    p.add_argument(
+    p = sub.add_parser("migrate", help="apply serversync's SQL migrations (DATABASE_URL)")
+    examples = p.add_mutually_exclusive_group()
+    examples.add_argument(
+        "--with-examples",
+        action="store_true",
+        help="also the example voicebot tables (call_logs, recordings, ...), tracked: created "
+        "where missing, left as they are where they exist (demos, tests)",
+    )
+    examples.add_argument(
         "--core-only",
         action="store_true",
-        help="only serversync's own schema, not the voicebot example tables",
+        help="only serversync's own schema: what migrate does without --with-examples",
     )
     p.add_argument(
         "--receiver",
@@ -248,6 +256,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
         setup_logging("WARNING", "text")
         return await run_demo(calls=args.calls)
     if command == "migrate" and args.receiver:
+        if args.with_examples:
+            raise ConfigError("--with-examples is for the backend database, not with --receiver")
         receiver = load(ReceiverSettings)
         setup_logging(receiver.log_level, args.log_format)
         return await _migrate(receiver.frontend_database_url, ["receiver"], "FRONTEND_DATABASE_URL")
@@ -255,8 +265,9 @@ async def _dispatch(args: argparse.Namespace) -> int:
     settings = load(SyncSettings)
     setup_logging(settings.log_level, args.log_format)
     if command == "migrate":
-        components = ["backend"] if args.core_only else ["backend", "voicebot"]
-        return await _migrate(settings.database_url, components, "DATABASE_URL")
+        return await _migrate(
+            settings.database_url, ["backend"], "DATABASE_URL", examples=args.with_examples
+        )
     if command == "run":
         telemetry = setup_telemetry(f"serversync-{args.consumer}")
         try:
@@ -277,13 +288,19 @@ async def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(command)
 
 
-async def _migrate(dsn: str, components: list[str], what: str) -> int:
+async def _migrate(dsn: str, components: list[str], what: str, *, examples: bool = False) -> int:
     async with await connect_or_explain(dsn, "migrate", what) as conn:
         done = await migrations.migrate(conn, components)
-    for migration in done:
-        print(f"applied {migration.component}/{migration.version}_{migration.name}")
-    if not done:
-        print(f"{what}: up to date ({', '.join(components)})")
+        for migration in done:
+            print(f"applied {migration.component}/{migration.version}_{migration.name}")
+        if not done:
+            print(f"{what}: up to date ({', '.join(components)})")
+        if examples:
+            for example in await migrations.apply_examples(conn):
+                print(
+                    f"{migrations.EXAMPLES}/{example.name}: in place (created what was missing, "
+                    "left what existed as it was)"
+                )
     return 0
 
 
@@ -363,6 +380,7 @@ async def _status_report(conn: Any, args: argparse.Namespace) -> str:
                 "DELIVERED",
                 "DLQ_PENDING",
                 "DLQ_DEAD",
+                "DELIVERY",
                 "LAST_ERROR",
             ],
             [
@@ -375,6 +393,7 @@ async def _status_report(conn: Any, args: argparse.Namespace) -> str:
                     str(r["delivered_total"]),
                     str(r["dlq_pending"] + r["dlq_retrying"]),
                     str(r["dlq_dead"]),
+                    _delivery(r),
                     " ".join((r["last_error"] or "-").split())[:60],
                 ]
                 for r in rows
@@ -383,6 +402,14 @@ async def _status_report(conn: Any, args: argparse.Namespace) -> str:
         if rows
         else "no consumers registered yet (start one with `serversync run NAME`)"
     ]
+    for r in rows:
+        if r["failing_since"] is not None:
+            lines.append(
+                f"\n{r['consumer']}: delivery failing for {_age(r['failing_seconds'])} "
+                f"({r['failing_reason']}); the offset is held and the batch is retried.\n"
+                f"  last error: {printable(r['last_error'] or '-')[:300]}\n"
+                f"  {FAILING_HINTS.get(r['failing_reason'], '')}"
+            )
     if held.get("held_back_events"):
         lines.append(
             f"\n{held['held_back_events']} committed event(s) are held back "
@@ -406,6 +433,24 @@ async def _status_report(conn: Any, args: argparse.Namespace) -> str:
             )
         )
     return "\n".join(lines)
+
+
+# What an operator does about each kind of failing streak (`serversync status`).
+FAILING_HINTS = {
+    "receiver_unavailable": "The receiver is down, busy or unreachable: check it and the network "
+    "to FRONTEND_BASE_URL; delivery resumes by itself.",
+    "wrong_destination": "The receiver refuses who we are or where we send (401/403: "
+    "SYNC_SHARED_SECRET differs or the clocks are over 5 minutes apart; 404/405/3xx: "
+    "FRONTEND_BASE_URL points at the wrong place). Fix the setting; delivery resumes by itself.",
+    "internal_error": "The consumer failed on this batch: see its log (journalctl -u "
+    "serversync@CONSUMER) for the traceback.",
+}
+
+
+def _delivery(row: dict[str, Any]) -> str:
+    if row["failing_since"] is None:
+        return "ok"
+    return f"FAILING {_age(row['failing_seconds'])}"
 
 
 async def _require_schema(conn: Any) -> None:
@@ -494,7 +539,8 @@ _ANSWERED = re.compile(r"^\S+ \S+ answered HTTP \d+: ")
 
 
 def _short_error(m: DlqMessage) -> str:
-    return " ".join(f"{m.error_code} {_ANSWERED.sub('', m.error_message)}".split())
+    # printable: messages parked by older versions were only masked, not cleaned.
+    return " ".join(printable(f"{m.error_code} {_ANSWERED.sub('', m.error_message)}").split())
 
 
 def _dlq_rows(messages: list[DlqMessage]) -> str:
@@ -504,7 +550,7 @@ def _dlq_rows(messages: list[DlqMessage]) -> str:
             [
                 str(m.id),
                 str(m.seq),
-                f"{m.entity_type}/{m.entity_id}",
+                printable(f"{m.entity_type}/{m.entity_id}"),
                 m.op,
                 m.status,
                 f"{m.retry_count}/{m.max_retries}",
@@ -523,19 +569,60 @@ def _dlq_details(m: DlqMessage) -> str:
         ("status", m.status),
         ("retries", f"{m.retry_count} of {m.max_retries}"),
         ("seq", str(m.seq)),
-        ("entity", f"{m.entity_type}/{m.entity_id}"),
+        ("entity", printable(f"{m.entity_type}/{m.entity_id}")),
         ("op", m.op),
         ("event created", _when(m.event_created_at)),
         ("parked at", _when(m.created_at)),
         ("updated at", _when(m.updated_at)),
         ("last retry at", _when(m.last_retry_at)),
-        ("error code", m.error_code),
-        ("error", " ".join(m.error_message.split())),
+        ("error code", printable(m.error_code)),
+        ("error", " ".join(printable(m.error_message).split())),
     ]
     width = max(len(name) for name, _ in fields) + 1
     lines = [f"{(name + ':').ljust(width)} {value}" for name, value in fields]
-    payload = orjson.dumps(m.payload, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
-    return "\n".join([*lines, "payload:", payload])
+    return "\n".join([*lines, "payload:", indented_json(m.payload)])
+
+
+# A token of JSON text that PostgreSQL has validated: a string (escapes included), a structural
+# character, or a literal (a number, true, false, null).
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\],:]|[^\s{}\[\],:"]+')
+# Inside a JSON string, DEL and the C1 controls may stand raw; some terminals act on them.
+_RAW_CONTROL = re.compile(r"[\x7f-\x9f]")
+
+
+def indented_json(text: str) -> str:
+    """Valid JSON text laid out one member or element per line, indented by two spaces.
+
+    Only whitespace changes (and DEL or C1 control characters in strings become \\u escapes of
+    themselves): every number, string and duplicate key stays exactly as written, which decoding
+    and encoding again would not keep (orjson refuses integers wider than 64 bits, a double turns
+    1.8e308 into infinity)."""
+    out: list[str] = []
+    depth = 0
+    previous = ""
+    for piece in _JSON_TOKEN.findall(text):
+        if piece in ("}", "]"):
+            depth -= 1
+            # An empty object or array stays on one line: {} and [].
+            if previous not in ("{", "["):
+                out.append("\n" + "  " * depth)
+            out.append(piece)
+        else:
+            if previous in ("{", "["):
+                out.append("\n" + "  " * depth)
+            if piece in ("{", "["):
+                depth += 1
+                out.append(piece)
+            elif piece == ",":
+                out.append(",\n" + "  " * depth)
+            elif piece == ":":
+                out.append(": ")
+            elif piece.startswith('"'):
+                out.append(_RAW_CONTROL.sub(lambda c: f"\\u{ord(c.group()):04x}", piece))
+            else:
+                out.append(piece)
+        previous = piece
+    return "".join(out)
 
 
 async def _dlq_action(service: DeadLetters, args: argparse.Namespace) -> int:

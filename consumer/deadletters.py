@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from consumer.events import DeliveryError, Sink
-from consumer.redact import mask_secrets
+from consumer.redact import safe_error
 from consumer.store.dlq import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,
@@ -41,7 +41,7 @@ class RetryResult:
 
     message: DlqMessage
     delivered: bool
-    # Masked; None when delivered.
+    # Masked, on one line (safe_error); None when delivered.
     error: str | None = None
     # The failure was passing trouble (network, 5xx, 429), not a refusal of the content.
     retryable: bool = False
@@ -156,7 +156,7 @@ class DeadLetters:
         try:
             await sink.deliver(claimed.batch)
         except DeliveryError as exc:
-            error = mask_secrets(str(exc))
+            error = safe_error(str(exc))
             failed = await self._store.mark_failed(message_id, exc.code, error)
             return RetryResult(failed, delivered=False, error=error, retryable=exc.retryable)
         resolved = await self._store.mark_resolved(message_id)

@@ -410,7 +410,7 @@ async def run_demo(calls: int = 5, recordings: int = 3) -> int:
     processes = _Processes(workdir)
     keep_logs = False
     try:
-        backend = await fresh_database(server.dsn, BACKEND_DB, ["backend", "voicebot"])
+        backend = await fresh_database(server.dsn, BACKEND_DB, ["backend"], examples=True)
         frontend = await fresh_database(server.dsn, FRONTEND_DB, ["receiver"])
         _say(f"databases {BACKEND_DB} (backend) and {FRONTEND_DB} (receiver) migrated")
 

@@ -211,8 +211,11 @@ def locate_server(*, allow_private: bool = True) -> Server:
     return Server(embedded.get_uri(), embedded=embedded)
 
 
-async def fresh_database(server_dsn: str, name: str, components: list[str]) -> str:
-    """Drop and create database `name` on the server, apply `components`' migrations; its DSN.
+async def fresh_database(
+    server_dsn: str, name: str, components: list[str], *, examples: bool = False
+) -> str:
+    """Drop and create database `name` on the server, apply `components`' migrations (and with
+    `examples`, the example schemas: the voicebot tables); its DSN.
 
     For the demo and the bench, which start from a clean slate on every run.
     """
@@ -226,4 +229,6 @@ async def fresh_database(server_dsn: str, name: str, components: list[str]) -> s
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
     async with conn:
         await migrations.migrate(conn, components)
+        if examples:
+            await migrations.apply_examples(conn)
     return dsn

@@ -8,6 +8,7 @@ batch costs no further Python object per event. A sink that needs single events 
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from collections.abc import Callable
@@ -96,7 +97,7 @@ class Batch:
     @classmethod
     def of_raw(cls, parts: list[bytes], end: Position) -> Batch:
         """A batch of raw entries (a part of a split batch)."""
-        seqs = [int(json.loads(part)["seq"]) for part in parts]
+        seqs = [int(JSON_TEXT.decode(part.decode())["seq"]) for part in parts]
         return cls(
             count=len(parts),
             end=end,
@@ -113,7 +114,10 @@ class Batch:
         return Batch.of_raw(parts[:middle], self.end), Batch.of_raw(parts[middle:], self.end)
 
 
-_DECODER = json.JSONDecoder()
+# Finds where each JSON value ends without converting its numbers: a payload number of any size
+# (a 5000-digit integer exceeds Python's int conversion limit) must pass through as written. It
+# also reads what PostgreSQL's json functions refuse to take apart ("\u0000", lone surrogates).
+JSON_TEXT = json.JSONDecoder(parse_int=str, parse_float=str, parse_constant=str)
 _SPACE = re.compile(r"\s*")
 
 
@@ -128,7 +132,7 @@ def json_array_elements(array_json: bytes) -> list[bytes]:
     if text[index : index + 1] == "]":
         return parts
     while True:
-        _, end = _DECODER.raw_decode(text, index)
+        _, end = JSON_TEXT.raw_decode(text, index)
         parts.append(text[index:end].encode())
         index = _SPACE.match(text, end).end()  # type: ignore[union-attr]
         if text[index : index + 1] == "]":
@@ -138,28 +142,93 @@ def json_array_elements(array_json: bytes) -> list[bytes]:
         index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
 
 
-class DeliveryError(Exception):
-    """A sink could not deliver a batch.
+def json_members(object_json: str) -> dict[str, str]:
+    """The text of each member's value of a JSON object, by name, exactly as written.
 
-    Retryable (network error, timeout, 5xx, 429): the offset stays and the batch is tried again
-    with backoff. Not retryable (the receiver refused the content: 400, 401, 403, 404, 413,
-    422): the runtime splits the batch to find the entries at fault and parks only those.
+    Python's decoder reads what PostgreSQL's json functions refuse to take apart ("\\u0000" and
+    lone surrogates, which they must de-escape), and it is only used to find where each value
+    ends: the values themselves are cut out of the text."""
+
+    def skip(index: int) -> int:
+        return _SPACE.match(object_json, index).end()  # type: ignore[union-attr]
+
+    index = skip(0)
+    if object_json[index : index + 1] != "{":
+        raise ValueError("not a JSON object")
+    members: dict[str, str] = {}
+    index = skip(index + 1)
+    if object_json[index : index + 1] == "}":
+        return members
+    while True:
+        name, index = JSON_TEXT.raw_decode(object_json, index)
+        if not isinstance(name, str):
+            raise ValueError(f"malformed JSON object at {index}")
+        index = skip(index)
+        if object_json[index : index + 1] != ":":
+            raise ValueError(f"malformed JSON object at {index}")
+        start = skip(index + 1)
+        _, index = JSON_TEXT.raw_decode(object_json, start)
+        members[name] = object_json[start:index]
+        index = skip(index)
+        if object_json[index : index + 1] == "}":
+            return members
+        if object_json[index : index + 1] != ",":
+            raise ValueError(f"malformed JSON object at {index}")
+        index = skip(index + 1)
+
+
+class Failure(enum.StrEnum):
+    """Why a delivery failed, and so what the runtime does about it.
+
+    An ordered stream never skips ahead of events it could still deliver: only a refusal of the
+    content itself parks events. Trouble that passes, and a destination that is wrong, hold the
+    offset and are retried with backoff for as long as they last.
+    """
+
+    # Network errors, timeouts, 5xx, 408, 425, 429: the receiver is down or busy.
+    UNAVAILABLE = "receiver_unavailable"
+    # 401, 403, 404, 405, any 3xx, or a 2xx that is not the receiver's answer: a wrong or
+    # rotated secret, a skewed clock, a route the frontend does not serve, a proxy's page.
+    WRONG_DESTINATION = "wrong_destination"
+    # 400, 413, 415, 422 and the other 4xx: the receiver refuses these events.
+    REFUSED = "content_refused"
+    # The consumer itself failed on the batch (an error it did not expect).
+    INTERNAL = "internal_error"
+
+    @property
+    def parks(self) -> bool:
+        """Whether events that fail this way are parked (else the offset is held)."""
+        return self is Failure.REFUSED
+
+
+class DeliveryError(Exception):
+    """A sink could not deliver a batch; `failure` says why (see Failure).
+
+    `retryable=False` is shorthand for a refusal of the content (Failure.REFUSED).
     """
 
     def __init__(
         self,
         message: str,
         *,
+        failure: Failure | None = None,
         retryable: bool = True,
         code: str = "DELIVERY_FAILED",
         retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
-        self.retryable = retryable
+        if failure is None:
+            failure = Failure.UNAVAILABLE if retryable else Failure.REFUSED
+        self.failure = failure
         # A short machine-readable reason, stored with a parked event (e.g. HTTP_422).
         self.code = code
-        # A hint from the receiver (Retry-After), in seconds.
+        # The receiver's own word on when to try again (Retry-After), in seconds.
         self.retry_after = retry_after
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same events are tried again (everything but a refusal of content)."""
+        return not self.failure.parks
 
 
 @dataclass(frozen=True)

@@ -14,15 +14,20 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from consumer import instruments
+from consumer.events import Failure
 from consumer.store import admin
 
 log = logging.getLogger("serversync.gauges")
 
 DLQ_STATUSES = ("pending", "retrying", "resolved", "dead")
+# The failures that hold the offset (a refusal of content parks instead); every reason is set,
+# to 0 when it is not the current one, so a streak that changed reason leaves no stale series.
+FAILING_REASONS = tuple(f.value for f in Failure if not f.parks)
 
 
 async def refresh_once(pool: AsyncConnectionPool[Any], consumer: str) -> None:
-    """Read the consumer's backlog, lag and DLQ counts and the outbox's size and age once."""
+    """Read the consumer's backlog, lag, failing streak and DLQ counts and the outbox's size
+    and age once."""
     async with pool.connection() as conn:
         rows = await admin.consumer_status(conn, consumer)
         outbox = await admin.outbox_stats(conn)
@@ -31,6 +36,12 @@ async def refresh_once(pool: AsyncConnectionPool[Any], consumer: str) -> None:
         row = rows[0]
         instruments.BACKLOG.set(row["backlog"], labels)
         instruments.LAG.set(row["lag_seconds"] or 0.0, labels)
+        failing_reason = row["failing_reason"]
+        for reason in FAILING_REASONS:
+            seconds = row["failing_seconds"] if reason == failing_reason else None
+            instruments.DELIVERY_FAILING.set(
+                seconds or 0.0, {"consumer": consumer, "reason": reason}
+            )
         for status in DLQ_STATUSES:
             instruments.DLQ_MESSAGES.set(
                 row[f"dlq_{status}"], {"consumer": consumer, "status": status}

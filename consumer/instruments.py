@@ -9,7 +9,9 @@ serversync_events_total{consumer,outcome}, serversync_batch_size_events,
 serversync_batch_duration_seconds, serversync_delivery_attempts, serversync_wakeups_total
 {consumer,reason}, serversync_leader{consumer}, serversync_backlog_events{consumer},
 serversync_lag_seconds{consumer}, serversync_dlq_messages{consumer,status},
-serversync_outbox_rows, serversync_outbox_oldest_age_seconds.
+serversync_outbox_rows, serversync_outbox_oldest_age_seconds,
+serversync_delivery_failures_total{consumer,reason},
+serversync_delivery_failing_seconds{consumer,reason}.
 """
 
 from __future__ import annotations
@@ -55,6 +57,17 @@ DELIVERY_ATTEMPTS = _meter.create_histogram(
     "serversync.delivery.attempts",
     description="Attempts a batch took until it was delivered or parked",
     explicit_bucket_boundaries_advisory=[1, 2, 3, 4, 5, 6, 8, 10, 20],
+)
+DELIVERY_FAILURES = _meter.create_counter(
+    "serversync.delivery.failures",
+    description="Failed delivery attempts, by reason: receiver_unavailable, wrong_destination, "
+    "content_refused, internal_error",
+)
+DELIVERY_FAILING = _meter.create_gauge(
+    "serversync.delivery.failing",
+    description="How long the consumer's deliveries have been failing with its offset held "
+    "(0 while they go through), by reason",
+    unit="s",
 )
 WAKEUPS = _meter.create_counter(
     "serversync.wakeups",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -21,11 +22,13 @@ PING_TIMEOUT_SEC = 2.0
 
 @dataclass(frozen=True)
 class Health:
-    """What /readyz asks: the consumer's state, and a database round trip."""
+    """What /readyz asks: the consumer's state, a database round trip, and whether deliveries
+    go through ({"state": "ok" | "not_leading" | "delivery_failing", ...})."""
 
     consumer: str
     state: Callable[[], str]
     ping: Callable[[], Awaitable[None]]
+    delivery: Callable[[], dict[str, Any]] = lambda: {"state": "ok"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """200 when the database answers and the consumer leads or stands by healthily, else 503;
-    the body says which."""
+    the body says which. Deliveries that keep failing (the receiver down, or a wrong
+    destination) leave it 200, since the process itself is fine and a restart would not help,
+    but the body says "delivery_failing", why and since when."""
     health = request.app[HEALTH_KEY]
     state = health.state()
     try:
@@ -64,6 +69,7 @@ async def readyz(request: web.Request) -> web.Response:
             "consumer": health.consumer,
             "role": state,
             "database": database,
+            "delivery": health.delivery(),
         },
         status=200 if ready else 503,
     )

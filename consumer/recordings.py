@@ -6,9 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-# recordings.upload_status values (sql/voicebot/0001_voicebot_tables.sql).
+# recordings.upload_status values (sql/examples/voicebot.sql). A recording whose upload the
+# consumer parked in the dead-letter queue is 'failed'; an operator's retry makes it 'pending'
+# again while it is tried.
 PENDING = "pending"
 UPLOADED = "uploaded"
+FAILED = "failed"
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,9 @@ class RecordingLedger(Protocol):
     async def mark_uploaded(self, recording_id: str, file_url: str) -> bool:
         """Set upload_status='uploaded' and s3_url; False if the row is gone or was already
         marked (a replay), True if this call marked it."""
+
+    async def mark_failed(self, recording_id: str) -> bool:
+        """Set upload_status='failed' on a row still 'pending'; True if this call changed it."""
+
+    async def mark_pending(self, recording_id: str) -> bool:
+        """Set upload_status='pending' on a row 'failed'; True if this call changed it."""

@@ -33,3 +33,20 @@ def mask_secrets(text: str) -> str:
     for pattern, replacement in _SECRETS:
         text = pattern.sub(replacement, text)
     return text
+
+
+# C0 and C1 control characters, DEL, and lone surrogates: none may reach a log line or a text
+# column raw (a NUL is refused by PostgreSQL's text, a newline forges a log line, a surrogate
+# cannot be encoded as UTF-8).
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]+")
+
+
+def printable(text: str) -> str:
+    """The text on one line: each run of control characters (newlines, tabs and NUL included)
+    and lone surrogates becomes one space, so it is safe to log and to store."""
+    return _UNPRINTABLE.sub(" ", text)
+
+
+def safe_error(text: str) -> str:
+    """An error text fit to log and store: secrets masked, on one line, control characters gone."""
+    return printable(mask_secrets(text))

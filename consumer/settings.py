@@ -34,9 +34,9 @@ class SyncSettings(_Base):
     """Settings of a consumer process (`serversync run`) and of the operator commands."""
 
     database_url: str = Field(validation_alias="DATABASE_URL", min_length=1)
-    frontend_base_url: HttpUrl = Field(
-        HttpUrl("http://127.0.0.1:8080"), validation_alias="FRONTEND_BASE_URL"
-    )
+    # Where frontend-sync and recording-upload deliver. No default: a forgotten one must not
+    # send a production stream to whatever listens on a local port.
+    frontend_base_url: HttpUrl | None = Field(None, validation_alias="FRONTEND_BASE_URL")
     poll_interval_sec: float = Field(
         300.0, gt=0, le=86400, validation_alias="SYNC_POLL_INTERVAL_SEC"
     )
@@ -65,8 +65,10 @@ class SyncSettings(_Base):
     )
     retry_initial_sec: float = Field(2.0, gt=0, le=3600, validation_alias="SYNC_RETRY_INITIAL_SEC")
     retry_max_sec: float = Field(256.0, gt=0, le=86400, validation_alias="SYNC_RETRY_MAX_SEC")
-    # Retryable failures of a batch before its events are parked in the DLQ; 0: never give up.
-    max_attempts: int = Field(8, ge=0, le=1000, validation_alias="SYNC_MAX_ATTEMPTS")
+    # Attempts while the receiver is unavailable before a batch is parked in the DLQ. 0 (the
+    # default) never gives up: an ordered stream waits out an outage of any length rather than
+    # deliver later events ahead of parked ones. Opt in only where gaps are acceptable.
+    max_attempts: int = Field(0, ge=0, le=1000, validation_alias="SYNC_MAX_ATTEMPTS")
     # Operator retries of a parked event before it is DEAD.
     dlq_max_retries: int = Field(3, ge=0, le=1000, validation_alias="SYNC_DLQ_MAX_RETRIES")
     # Signs every request to the receiver (HMAC-SHA256, see consumer/signing.py).
@@ -92,7 +94,13 @@ class SyncSettings(_Base):
 
     @property
     def frontend_url(self) -> str:
-        """FRONTEND_BASE_URL without a trailing slash."""
+        """FRONTEND_BASE_URL without a trailing slash; ConfigError when it is not set (only the
+        consumers and commands that deliver to the frontend need it)."""
+        if self.frontend_base_url is None:
+            raise ConfigError(
+                "FRONTEND_BASE_URL is not set (the frontend that frontend-sync and "
+                "recording-upload deliver to, e.g. https://frontend.example.com)"
+            )
         return str(self.frontend_base_url).rstrip("/")
 
 

@@ -6,18 +6,19 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import orjson
 import psycopg
 from aiohttp import web
 from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
 
-from consumer import gauges, migrations
+from consumer import failpoints, gauges, migrations
 from consumer.db import connect, connect_kwargs, mask_dsn
 from consumer.deadletters import DeadLetters, SinkFactory
-from consumer.events import Sink
+from consumer.events import DeadLetter, DeliveryError, Sink
 from consumer.opshttp import PING_TIMEOUT_SEC, Health, MetricsEndpoint, build_ops_app
 from consumer.receiver.app import build_app
 from consumer.receiver.recordings import RecordingFiles
@@ -28,10 +29,10 @@ from consumer.settings import ConfigError, ReceiverSettings, SyncSettings
 from consumer.sinks.frontend_sync import FrontendSyncSink
 from consumer.sinks.local_recordings import RecordingsDir
 from consumer.sinks.null import NullSink
-from consumer.sinks.recording_upload import RecordingUploadSink
+from consumer.sinks.recording_upload import RecordingUploadSink, wants
 from consumer.store.dlq import DlqStore
 from consumer.store.leadership import LeaderLock
-from consumer.store.outbox import OutboxStore
+from consumer.store.outbox import Leadership, OutboxStore
 from consumer.store.recordings import RecordingStore
 from consumer.telemetry import Telemetry
 
@@ -84,9 +85,11 @@ def make_sink(
     sink: str = "default",
     *,
     pool: AsyncConnectionPool[Any] | None = None,
+    for_dead_letters: bool = False,
 ) -> Sink:
     """The sink a consumer delivers to (`pool`: the backend database, for sinks that update
-    it)."""
+    it; `for_dead_letters`: the sink redelivers events an operator retries from the dead-letter
+    queue)."""
     if sink == "null":
         return NullSink()
     if consumer == "frontend-sync":
@@ -105,8 +108,65 @@ def make_sink(
             timeout_sec=settings.timeout_sec,
             shared_secret=settings.shared_secret,
             concurrency=settings.upload_concurrency,
+            for_dead_letters=for_dead_letters,
         )
     raise StartupError(f"unknown consumer {consumer!r} (known: {', '.join(CONSUMERS)})")
+
+
+class RecordingParksOutbox(OutboxStore):
+    """recording-upload's outbox store: once a commit that parked recordings is done, their rows
+    are marked 'failed', and on taking the lead every row still pending whose upload is parked
+    (a mark lost to a crash after the commit) is marked too.
+
+    After the commit, never before it: a mark made first outlives a commit that then fails (a
+    crash, a lost lead); the batch is delivered again, the sink skips a row that says 'failed',
+    and the event passes without being parked, out of an operator's reach. Made after it, a
+    lost mark is only late. A mark that fails is logged, never raised: the commit is done, and
+    doing it again would count its events twice. The marks commit durably, which makes the
+    park written before them durable too (one WAL).
+    """
+
+    def __init__(self, pool: AsyncConnectionPool[Any], ledger: RecordingStore) -> None:
+        super().__init__(pool)
+        self._ledger = ledger
+
+    async def take_leadership(self, consumer: str) -> Leadership:
+        leadership = await super().take_leadership(consumer)
+        try:
+            marked = await self._ledger.fail_parked(consumer)
+        except psycopg.Error as exc:
+            log.warning("%s: could not mark parked recordings failed: %s", consumer, exc)
+        else:
+            if marked:
+                log.info("%s: %d parked recording(s) marked failed", consumer, marked)
+        return leadership
+
+    async def commit_offset(self, *args: Any, **kwargs: Any) -> None:
+        await super().commit_offset(*args, **kwargs)
+        parked: Sequence[DeadLetter] = kwargs.get("parked", ())
+        if parked:
+            failpoints.reach("recording-upload.after-park")
+        for dead in parked:
+            try:
+                entry = orjson.loads(dead.entry_json)
+            except orjson.JSONDecodeError:
+                # Not a recording row's event (one the mark is for holds no such numbers).
+                continue
+            if not wants(entry):
+                continue
+            recording_id = entry["entityId"]
+            try:
+                marked = await self._ledger.mark_failed(recording_id)
+            except DeliveryError as exc:
+                log.warning(
+                    "recording %s: upload parked, but the row could not be marked failed "
+                    "(it is when a consumer next takes the lead): %s",
+                    recording_id,
+                    exc,
+                )
+            else:
+                if marked:
+                    log.info("recording %s: upload parked; row marked failed", recording_id)
 
 
 def runtime_config(settings: SyncSettings, consumer: str = "frontend-sync") -> RuntimeConfig:
@@ -174,13 +234,15 @@ async def consumer_runtime(
             open_pool(dsn, f"run:{consumer}", synchronous_commit=False)
         )
         sink_pool = None
+        store = OutboxStore(pool)
         if consumer == "recording-upload" and sink != "null":
             sink_pool = await stack.enter_async_context(
                 open_pool(dsn, f"run:{consumer}:ledger", max_size=settings.upload_concurrency)
             )
+            store = RecordingParksOutbox(pool, RecordingStore(sink_pool))
         yield ConsumerRuntime(
             consumer,
-            store=OutboxStore(pool),
+            store=store,
             sink=make_sink(consumer, settings, sink, pool=sink_pool),
             lock=LeaderLock(dsn, consumer),
             listener=NotifyListener(dsn, consumer) if settings.listen else None,
@@ -202,6 +264,10 @@ async def run_consumer(
     telemetry: Telemetry | None = None,
 ) -> None:
     """`serversync run CONSUMER`: until SIGTERM/SIGINT."""
+    if sink != "null":
+        # Before anything else: a consumer that would deliver to no configured frontend does
+        # not start (exit 2, one line).
+        _ = settings.frontend_url
     await check_database(settings.database_url, ["backend"], "DATABASE_URL")
     if consumer == "recording-upload" and sink != "null":
         await check_recording_upload(settings)
@@ -229,8 +295,8 @@ async def check_recording_upload(settings: SyncSettings) -> None:
     async with open_pool(settings.database_url, "check", max_size=1) as pool:
         if not await RecordingStore(pool).table_present():
             raise StartupError(
-                "DATABASE_URL has no public.recordings table: recording-upload needs the "
-                "voicebot schema (`serversync migrate` without --core-only)"
+                "DATABASE_URL has no public.recordings table: recording-upload needs one (the "
+                "backend's own, or the example: `serversync migrate --with-examples`)"
             )
 
 
@@ -242,7 +308,7 @@ def dlq_sinks(
     def make(consumer: str) -> Sink:
         if consumer not in CONSUMERS:
             raise LookupError(f"no such consumer in this build (known: {', '.join(CONSUMERS)})")
-        return make_sink(consumer, settings, sink, pool=pool)
+        return make_sink(consumer, settings, sink, pool=pool, for_dead_letters=True)
 
     return make
 
@@ -281,7 +347,7 @@ async def serve_ops_http(
                 await conn.execute("SELECT 1")
 
         app = build_ops_app(
-            Health(runtime.consumer, lambda: runtime.stats.state, ping),
+            Health(runtime.consumer, lambda: runtime.stats.state, ping, runtime.delivery_health),
             metrics_endpoint=MetricsEndpoint(telemetry.render_prometheus) if telemetry else None,
             dead_letters=service,
             token=token,

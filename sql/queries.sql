@@ -70,12 +70,24 @@ SET last_txid = %(txid)s::xid8,
     updated_at = now(),
     delivered_total = delivered_total + %(delivered)s,
     last_error = NULL,
-    last_error_at = NULL
+    last_error_at = NULL,
+    failing_since = NULL,
+    failing_reason = NULL
 WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
 
 -- name: record_error
 UPDATE sync.consumer_offsets
 SET last_error = %(error)s, last_error_at = now()
+WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
+
+-- name: record_failure
+-- A delivery failed and is tried again with the offset held: the streak starts at its first
+-- failure and ends with the next offset commit (commit_offset).
+UPDATE sync.consumer_offsets
+SET last_error = %(error)s,
+    last_error_at = now(),
+    failing_since = coalesce(failing_since, now()),
+    failing_reason = %(reason)s
 WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
 
 -- name: release_leadership
@@ -116,6 +128,9 @@ SELECT c.consumer,
        c.leader_since,
        c.last_error,
        c.last_error_at,
+       c.failing_since,
+       c.failing_reason,
+       extract(epoch FROM now() - c.failing_since)::float8 AS failing_seconds,
        lock.pid AS lock_backend_pid,
        CASE WHEN pending.counted <= %(exact_up_to)s::bigint THEN pending.counted
             ELSE greatest(pending.counted, (SELECT seq FROM newest) - pending.first_seq + 1)
@@ -269,20 +284,26 @@ SET waiting = EXCLUDED.waiting, updated_at = EXCLUDED.updated_at;
 
 -- name: park_entries
 -- Park events in the dead-letter queue (in the transaction that moves the offset past them).
--- parked: [{"entry": <the entry as delivered>, "errorCode", "errorMessage"}, ...]
+-- One array per column, one element per event (consumer/store/dlq.py park_parameters); each
+-- payload is the entry's JSON text as delivered, kept as json: the same text, byte for byte,
+-- whatever the outbox's json accepted ("\u0000", lone surrogates, numbers no double holds).
+-- The payloads are not taken out of a JSON document of entries with ->, json_to_record or
+-- json_each: those de-escape every string of what they read and refuse "\u0000" and lone
+-- surrogates anywhere in it, and a parking that fails holds the offset on that batch for ever.
 INSERT INTO sync.dlq_messages
     (consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
      error_message, max_retries)
-SELECT %(consumer)s, e.seq, e."entityType", e."entityId", e.op, e.payload, e."createdAt",
-       p.item ->> 'errorCode', p.item ->> 'errorMessage', %(max_retries)s
-FROM jsonb_array_elements(convert_from(%(parked)s, 'UTF8')::jsonb) AS p(item),
-     jsonb_to_record(p.item -> 'entry') AS e(
-        seq bigint, "entityType" text, "entityId" text, op text, payload jsonb,
-        "createdAt" timestamptz)
+SELECT %(consumer)s, e.seq, e.entity_type, e.entity_id, e.op, e.payload::json,
+       e.created_at::timestamptz, e.error_code, e.error_message, %(max_retries)s
+FROM unnest(%(seqs)s::bigint[], %(entity_types)s::text[], %(entity_ids)s::text[],
+            %(ops)s::text[], %(payloads)s::text[], %(created_ats)s::text[], %(codes)s::text[],
+            %(messages)s::text[])
+     AS e(seq, entity_type, entity_id, op, payload, created_at, error_code, error_message)
 ON CONFLICT (consumer, seq) DO NOTHING;
 
 -- recording-upload --------------------------------------------------------------------------
--- The backend's recordings rows (sql/voicebot), read and marked by the recording-upload sink.
+-- The backend's recordings rows (sql/examples/voicebot.sql), read and marked by the
+-- recording-upload sink and, for parked uploads, by its wiring (consumer/wiring.py).
 
 -- name: recordings_table
 SELECT to_regclass('public.recordings') IS NOT NULL AS present;
@@ -298,6 +319,40 @@ UPDATE public.recordings
    SET upload_status = 'uploaded', s3_url = %(file_url)s, updated_at = now()
  WHERE id = %(id)s::uuid AND upload_status <> 'uploaded';
 
+-- name: recording_mark_failed
+-- Its upload was parked in the dead-letter queue (or an operator's retry of it failed). Only a
+-- row still pending: one uploaded meanwhile stays uploaded, and a replay changes nothing.
+UPDATE public.recordings
+   SET upload_status = 'failed', updated_at = now()
+ WHERE id = %(id)s::uuid AND upload_status = 'pending';
+
+-- name: recording_mark_pending
+-- An operator retries its parked upload: pending again while it is tried.
+UPDATE public.recordings
+   SET upload_status = 'pending', updated_at = now()
+ WHERE id = %(id)s::uuid AND upload_status = 'failed';
+
+-- name: recordings_fail_parked
+-- Rows left pending although the consumer parked their upload: the mark that follows the park's
+-- commit was lost (a crash, the database gone for a moment). Only a message an operator has not
+-- settled or taken up (PENDING, DEAD), and only a row exactly as the parked event saw it (the
+-- same updated_at): a row written since is a new request, uploaded through the event that write
+-- made. The id is compared as a uuid (the primary key's index), cast only when it is one.
+UPDATE public.recordings AS r
+   SET upload_status = 'failed', updated_at = now()
+  FROM sync.dlq_messages AS d
+ WHERE d.consumer = %(consumer)s
+   AND d.entity_type = 'recording'
+   AND d.op = 'upsert'
+   AND d.status IN ('PENDING', 'DEAD')
+   AND d.payload ->> 'upload_status' = 'pending'
+   AND r.id = CASE
+                WHEN d.entity_id ~ '^[0-9a-fA-F]{8}-([0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}$'
+                THEN d.entity_id::uuid
+              END
+   AND r.upload_status = 'pending'
+   AND r.updated_at = (d.payload ->> 'updated_at')::timestamptz;
+
 -- name: dlq_count
 SELECT count(*)
 FROM sync.dlq_messages
@@ -305,16 +360,21 @@ WHERE consumer = %(consumer)s AND (%(status)s::text IS NULL OR status = %(status
 
 -- name: dlq_list
 -- Newest first; events parked by one commit share created_at, so seq breaks the tie.
-SELECT id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
-       error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at
+-- Every dlq_ query that returns messages gives the payload as its JSON text (payload::text): it
+-- is passed on as is, never decoded into Python numbers (a 64-bit integer or a double would not
+-- hold every number a json value may carry).
+SELECT id, consumer, seq, entity_type, entity_id, op, payload::text AS payload, event_created_at,
+       error_code, error_message, retry_count, max_retries, status, created_at, updated_at,
+       last_retry_at
 FROM sync.dlq_messages
 WHERE consumer = %(consumer)s AND (%(status)s::text IS NULL OR status = %(status)s::text)
 ORDER BY created_at DESC, seq DESC
 LIMIT %(limit)s OFFSET %(offset)s;
 
 -- name: dlq_get
-SELECT id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
-       error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at
+SELECT id, consumer, seq, entity_type, entity_id, op, payload::text AS payload, event_created_at,
+       error_code, error_message, retry_count, max_retries, status, created_at, updated_at,
+       last_retry_at
 FROM sync.dlq_messages
 WHERE id = %(id)s;
 
@@ -329,12 +389,13 @@ FOR UPDATE;
 UPDATE sync.dlq_messages
 SET status = 'RETRYING', retry_count = retry_count + 1, last_retry_at = now()
 WHERE id = %(id)s
-RETURNING id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
-          error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at;
+RETURNING id, consumer, seq, entity_type, entity_id, op, payload::text AS payload,
+          event_created_at, error_code, error_message, retry_count, max_retries, status,
+          created_at, updated_at, last_retry_at;
 
 -- name: dlq_entry
 -- The parked event as a one-entry batch in the wire format, built as read_batch builds it: the
--- payload goes out as jsonb's own text, with no float rounding of big or long numbers on the way.
+-- payload goes out as the json text it was parked with, byte for byte.
 SELECT convert_to('[{"entityType":' || to_json(entity_type)::text
        || ',"entityId":' || to_json(entity_id)::text
        || ',"op":' || to_json(op)::text
@@ -349,8 +410,9 @@ WHERE id = %(id)s;
 UPDATE sync.dlq_messages
 SET status = 'RESOLVED'
 WHERE id = %(id)s
-RETURNING id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
-          error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at;
+RETURNING id, consumer, seq, entity_type, entity_id, op, payload::text AS payload,
+          event_created_at, error_code, error_message, retry_count, max_retries, status,
+          created_at, updated_at, last_retry_at;
 
 -- name: dlq_fail
 -- Only a message still being retried: a concurrent retry that resolved it wins.
@@ -359,8 +421,9 @@ SET status = CASE WHEN retry_count >= max_retries THEN 'DEAD' ELSE 'PENDING' END
     error_code = %(code)s,
     error_message = %(message)s
 WHERE id = %(id)s AND status = 'RETRYING'
-RETURNING id, consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
-          error_message, retry_count, max_retries, status, created_at, updated_at, last_retry_at;
+RETURNING id, consumer, seq, entity_type, entity_id, op, payload::text AS payload,
+          event_created_at, error_code, error_message, retry_count, max_retries, status,
+          created_at, updated_at, last_retry_at;
 
 -- name: dlq_delete
 DELETE FROM sync.dlq_messages WHERE id = %(id)s RETURNING id;

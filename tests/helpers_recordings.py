@@ -103,6 +103,31 @@ async def make_recording(
     return Recording(call_id, recording_id, folder, data)
 
 
+async def add_recording(dsn: str, recording: Recording, name: str) -> Recording:
+    """The row of another recording of `recording`'s call, whose audio `name` is in the same
+    <callId>/ folder already (it shares the folder's meta.json): one event."""
+    data = (recording.folder / name).read_bytes()
+    recording_id = str(uuid.uuid4())
+    await execute(
+        dsn,
+        "INSERT INTO recordings (id, call_log_id, file_path) VALUES (%s, %s, %s)",
+        (recording_id, recording.call_id, f"{recording.call_id}/{name}"),
+    )
+    return Recording(recording.call_id, recording_id, recording.folder, data)
+
+
+async def upload_statuses(dsn: str, recording_id: str) -> list[str]:
+    """upload_status in each event about the recording, in outbox order: every state its row
+    went through."""
+    rows = await fetch_all(
+        dsn,
+        "SELECT o.payload->>'upload_status' FROM sync.events_outbox o "
+        "WHERE o.entity_type = 'recording' AND o.entity_id = %s ORDER BY o.txid, o.seq",
+        (recording_id,),
+    )
+    return [row[0] for row in rows]
+
+
 async def execute(dsn: str, statement: Any, params: Any = None) -> None:
     """One statement on a short-lived autocommit connection."""
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)

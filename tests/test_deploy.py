@@ -35,6 +35,11 @@ EXPORTED_METRICS: tuple[str, ...] = (
     "serversync_dlq_messages",  # gauge {consumer, status}: pending|retrying|resolved|dead
     "serversync_outbox_rows",  # gauge
     "serversync_outbox_oldest_age_seconds",  # gauge
+    # counter {consumer, reason}: receiver_unavailable|wrong_destination|content_refused|
+    # internal_error
+    "serversync_delivery_failures_total",
+    # gauge {consumer, reason}: how long deliveries have failed with the offset held (0: not)
+    "serversync_delivery_failing_seconds",
 )
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -55,6 +60,7 @@ EXPECTED_ALERTS = (
     "ServersyncBacklogHigh",
     "ServersyncLagHigh",
     "ServersyncDlqGrowing",
+    "ServersyncDeliveryFailing",
     "ServersyncNoLeader",
 )
 # Settings the env examples document that are not fields of consumer/settings.py.
@@ -422,7 +428,7 @@ def test_every_exported_metric_is_documented_for_the_sysadmin() -> None:
 # -- alert rules ---------------------------------------------------------------------------------
 
 
-def test_alerts_are_the_four_of_seed_000_and_name_only_exported_metrics() -> None:
+def test_alerts_are_the_expected_ones_and_name_only_exported_metrics() -> None:
     rules = ALERTS.read_text()
     assert tuple(re.findall(r"^\s*- alert: (\w+)\s*$", rules, re.M)) == EXPECTED_ALERTS
     for path in (ALERTS, ALERT_TESTS):

@@ -6,6 +6,7 @@ API (real HTTP on loopback), the `serversync dlq` command (real subprocesses) an
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import uuid
 from collections.abc import AsyncIterator
@@ -83,7 +84,8 @@ class ScriptedReceiver:
     async def handle(self, request: web.Request) -> web.Response:
         """POST /api/ingest/sync."""
         body = await request.read()
-        entries: list[dict[str, Any]] = orjson.loads(body)["entries"]
+        # Python's json: it reads every JSON number (orjson refuses 1.8e308).
+        entries: list[dict[str, Any]] = json.loads(body)["entries"]
         callers = {e["payload"]["caller_number"] for e in entries}
         self.answered += 1
         if self.unavailable:
@@ -386,13 +388,15 @@ async def test_retry_delivers_the_stored_event_and_resolves_it(api: Api) -> None
 async def test_a_retry_sends_the_stored_event_exactly(api: Api) -> None:
     _, bads = await api.park(good=0, bad=1)
     target = (await dlq_rows(api.dsn))[bads[0]]
-    # Numbers that a float would round, and text that needs escaping.
-    extra = '{"big": 123456789012345678901234567890, "long": 0.10000000000000000000000001, '
-    extra += '"text": "caf\u00e9 \\"quoted\\" \\n"}'
+    # Numbers no double keeps exactly or holds at all, text that needs escaping, and
+    # spacing of its own: the payload is json, kept as written.
+    extra = '"big": 123456789012345678901234567890, "long": 0.10000000000000000000000001, '
+    extra += '"huge" :  1.8e308, "text": "caf\u00e9 \\"quoted\\" \\n"}'
     conn = await psycopg.AsyncConnection.connect(api.dsn, autocommit=True)
     async with conn:
         await conn.execute(
-            "UPDATE sync.dlq_messages SET payload = payload || %s::jsonb WHERE id = %s",
+            "UPDATE sync.dlq_messages SET payload = (left(payload::text, -1) || ', ' || %s)::json "
+            "WHERE id = %s",
             (extra, target.id),
         )
     ((stored,),) = await fetch_all(
@@ -405,6 +409,7 @@ async def test_a_retry_sends_the_stored_event_exactly(api: Api) -> None:
     assert f',"payload":{stored},'.encode() in sent
     assert b'"big": 123456789012345678901234567890' in sent
     assert b'"long": 0.10000000000000000000000001' in sent
+    assert b'"huge" :  1.8e308' in sent
 
 
 async def test_a_failing_retry_counts_then_the_message_is_dead(api: Api) -> None:
@@ -697,7 +702,12 @@ async def test_a_taken_admin_port_is_a_one_line_startup_error(backend_dsn: str) 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = cli_env(DATABASE_URL=backend_dsn, SYNC_ADMIN_TOKEN=TOKEN, SYNC_HTTP_PORT=str(port))
+        env = cli_env(
+            DATABASE_URL=backend_dsn,
+            FRONTEND_BASE_URL="http://127.0.0.1:9",
+            SYNC_ADMIN_TOKEN=TOKEN,
+            SYNC_HTTP_PORT=str(port),
+        )
         # Were the port not in use, `run` would keep running: the timeout fails the test.
         result = await run_cli("run", CONSUMER, env=env, timeout=30)
     line = assert_one_line_error(result, 1, "cannot listen on", f"127.0.0.1:{port}")

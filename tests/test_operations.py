@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -85,9 +86,17 @@ async def wait_outbox_end(dsn: str) -> tuple[int, int]:
     return found[0]
 
 
-def ready_body(role: str) -> dict[str, str]:
-    """What /readyz answers for a ready frontend-sync consumer in `role` (leader, standby)."""
-    return {"status": "ready", "consumer": CONSUMER, "role": role, "database": "ok"}
+def ready_body(role: str) -> dict[str, Any]:
+    """What /readyz answers for a ready frontend-sync consumer in `role` (leader, standby)
+    whose deliveries go through."""
+    delivery = {"state": "ok" if role == "leader" else "not_leading"}
+    return {
+        "status": "ready",
+        "consumer": CONSUMER,
+        "role": role,
+        "database": "ok",
+        "delivery": delivery,
+    }
 
 
 @pytest.fixture

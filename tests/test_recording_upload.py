@@ -4,6 +4,7 @@ as a real subprocess where crashes and memory are concerned."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import signal
@@ -16,11 +17,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from consumer.deadletters import DeadLetters
 from consumer.events import Position
 from consumer.receiver.app import Handler
 from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles
 from consumer.settings import SyncSettings
 from consumer.sinks.local_recordings import RecordingsDir
+from consumer.store.dlq import DlqStore
+from consumer.wiring import dlq_sinks, open_pool
 from tests.conftest import (
     cli_env,
     fetch_all,
@@ -38,6 +42,7 @@ from tests.helpers_recordings import (
     Parked,
     Recording,
     RecordingProcesses,
+    add_recording,
     all_dead_letters,
     event_position,
     execute,
@@ -48,6 +53,7 @@ from tests.helpers_recordings import (
     recording_row,
     stored_files,
     upload_position,
+    upload_statuses,
     wait_offset_at_end,
     wait_uploaded,
     wav_bytes,
@@ -120,10 +126,10 @@ async def assert_parked(
     dsn: str, dead: dict[str, Parked], rid: str, code: str, fragment: str
 ) -> None:
     """The recording's event is parked with `code` and a message holding `fragment`; its row
-    is still pending."""
+    says so: 'failed'."""
     assert dead[rid].error_code == code, dead[rid]
     assert fragment in dead[rid].error_message, dead[rid]
-    assert await recording_row(dsn, rid) == ("pending", None)
+    assert await recording_row(dsn, rid) == ("failed", None)
 
 
 # -- the normal flow -----------------------------------------------------------------------------
@@ -158,6 +164,48 @@ async def test_recordings_are_uploaded_marked_and_deleted_locally(
                     assert response.status == 206
                     assert await response.read() == recording.audio[10:20]
     assert await parked(backend_dsn) == {}
+
+
+async def test_each_recording_of_a_call_deletes_only_its_own_files(
+    backend_dsn: str, receiver_dsn: str, tmp_path: Path
+) -> None:
+    # The recordings table allows several recordings per call, all in the call's folder and
+    # sharing its meta.json. Uploading one deletes its audio only; meta.json and the folder go
+    # with the last recording; a file that no recording names is never deleted.
+    local, store = dirs(tmp_path)
+    async with recording_receiver(receiver_dsn, store) as receiver:
+        # Call A: its second recording is on disk when the first is uploaded; its row comes
+        # later.
+        a_first = await make_recording(backend_dsn, local)
+        (a_first.folder / "second.wav").write_bytes(wav_bytes(tone_hz=660))
+        # Call B: two recordings delivered together (uploaded at the same time).
+        b_first = await make_recording(backend_dsn, local)
+        (b_first.folder / "second.wav").write_bytes(wav_bytes(tone_hz=770))
+        b_second = await add_recording(backend_dsn, b_first, "second.wav")
+        # Call C: one recording, and a file of the backend's that no recording names.
+        c_only = await make_recording(backend_dsn, local)
+        (c_only.folder / "notes.txt").write_bytes(b"not a recording")
+
+        settings = upload_settings(backend_dsn, receiver.url, local)
+        async with running_consumer(settings, CONSUMER) as runtime:
+            for recording in (a_first, b_first, b_second, c_only):
+                await wait_uploaded(backend_dsn, recording.recording_id)
+            await wait_offset_at_end(backend_dsn)
+            assert sorted(p.name for p in a_first.folder.iterdir()) == ["meta.json", "second.wav"]
+            a_second = await add_recording(backend_dsn, a_first, "second.wav")
+            await wait_uploaded(backend_dsn, a_second.recording_id)
+            await wait_until(lambda: not a_first.folder.exists(), what="call A's folder deleted")
+            await wait_offset_at_end(backend_dsn)
+            assert runtime.stats.failed_deliveries == 0
+
+        made = (a_first, a_second, b_first, b_second, c_only)
+        for recording in made:
+            assert receiver.log.count(recording.recording_id) == 1
+            assert_kept_once(store, recording)
+        assert a_first.audio != a_second.audio
+    assert await parked(backend_dsn) == {}
+    assert not b_first.folder.exists()
+    assert sorted(p.name for p in c_only.folder.iterdir()) == ["meta.json", "notes.txt"]
 
 
 # -- crashes -------------------------------------------------------------------------------------
@@ -237,7 +285,7 @@ async def test_sigkill_between_mark_and_delete_deletes_on_restart_without_upload
         assert (recording.folder / "mixed.wav").read_bytes() == recording.audio
 
         second = await restarted(procs, backend_dsn, receiver.url, local, recording)
-        await second.wait_log("already uploaded; deleted the folder left behind")
+        await second.wait_log("already uploaded; deleted the files left behind")
         assert receiver.log.count(rid) == 1, "uploaded again although the row said uploaded"
         assert await recording_row(backend_dsn, rid) == ("uploaded", file_url)
         await assert_settled(backend_dsn, store, recording, second)
@@ -592,6 +640,7 @@ async def test_a_parked_missing_file_is_retried_from_the_cli_once_it_is_in_place
             await wait_offset_at_end(backend_dsn)
         message = (await parked(backend_dsn))[rid]
         assert message.error_code == "RECORDING_FILE_MISSING"
+        assert await recording_row(backend_dsn, rid) == ("failed", None)
 
         recording.folder.mkdir()
         (recording.folder / "mixed.wav").write_bytes(recording.audio)
@@ -613,6 +662,116 @@ async def test_a_parked_missing_file_is_retried_from_the_cli_once_it_is_in_place
         assert not recording.folder.exists()
         assert_kept_once(store, recording)
         assert (await parked(backend_dsn))[rid].status == "RESOLVED"
+        assert await upload_statuses(backend_dsn, rid) == [
+            "pending",
+            "failed",
+            "pending",
+            "uploaded",
+        ]
+
+
+async def test_an_operator_retry_makes_a_parked_recording_pending_then_failed_or_uploaded(
+    backend_dsn: str, receiver_dsn: str, tmp_path: Path
+) -> None:
+    local, store = dirs(tmp_path)
+    async with recording_receiver(receiver_dsn, store) as receiver:
+        recording = await make_recording(backend_dsn, local, write_files=False)
+        rid = recording.recording_id
+        settings = upload_settings(backend_dsn, receiver.url, local)
+        async with running_consumer(settings, CONSUMER):
+            await wait_offset_at_end(backend_dsn)
+        message = (await parked(backend_dsn))[rid]
+        assert await recording_row(backend_dsn, rid) == ("failed", None)
+
+        async with open_pool(backend_dsn, "test-dlq", max_size=2) as pool:
+            # The admin API's service: the consumer's own sinks, for dead letters.
+            service = DeadLetters(DlqStore.over_pool(pool), dlq_sinks(settings, pool=pool))
+            try:
+                # Retried while the files are still missing: pending while it is tried, then
+                # failed again, the message back in the queue.
+                again = await service.retry_all(CONSUMER)
+                assert (again.retried, again.succeeded, again.failed) == (1, 0, 1), again
+                assert await recording_row(backend_dsn, rid) == ("failed", None)
+                assert (await parked(backend_dsn))[rid].status == "PENDING"
+                assert receiver.log.uploads == []
+
+                # Retried once the files are there, with the consumer running beside the retry
+                # (as it does for the admin API): the row says pending while the upload is on
+                # its way, then uploaded.
+                recording.folder.mkdir()
+                (recording.folder / "mixed.wav").write_bytes(recording.audio)
+                (recording.folder / "meta.json").write_bytes(b'{"late": true}')
+                await receiver.log.hold_only(rid)
+                async with running_consumer(settings, CONSUMER):
+                    retry = asyncio.create_task(service.retry(message.id))
+                    await wait_until(lambda: rid in receiver.log.waiting, what="the retry held")
+                    assert await recording_row(backend_dsn, rid) == ("pending", None)
+                    await receiver.log.release(rid)
+                    result = await retry
+                    assert result.delivered, result
+                    assert result.message.status == "RESOLVED"
+                    await wait_offset_at_end(backend_dsn)
+            finally:
+                await service.close()
+
+        status, file_url = await recording_row(backend_dsn, rid)
+        assert status == "uploaded"
+        assert file_url in receiver.log.file_urls(rid)
+        assert_kept_once(store, recording)
+        assert not recording.folder.exists()
+    # The consumer saw the retry's 'pending' too; it parked nothing more.
+    assert list(await parked(backend_dsn)) == [rid]
+    assert await upload_statuses(backend_dsn, rid) == [
+        "pending",
+        "failed",
+        "pending",
+        "failed",
+        "pending",
+        "uploaded",
+    ]
+
+
+async def test_a_row_mark_lost_after_the_park_is_made_when_the_lead_is_taken(
+    backend_dsn: str, receiver_dsn: str, tmp_path: Path, procs: RecordingProcesses
+) -> None:
+    # The row is marked failed once the park is committed; a crash in between leaves it
+    # pending, and the next leader marks it. Not a row the backend wrote since: that is a new
+    # request, uploaded through its own event.
+    local, store = dirs(tmp_path)
+    async with recording_receiver(receiver_dsn, store) as receiver:
+        lost = await make_recording(backend_dsn, local, write_files=False)
+        asked_again = await make_recording(backend_dsn, local, write_files=False)
+        first = procs.upload_consumer(
+            backend_dsn,
+            receiver.url,
+            local,
+            "first",
+            SERVERSYNC_FAILPOINTS="recording-upload.after-park=kill",
+        )
+        assert await first.wait_exit(20) == -signal.SIGKILL
+        assert set(await parked(backend_dsn)) == {lost.recording_id, asked_again.recording_id}
+        for recording in (lost, asked_again):
+            assert await recording_row(backend_dsn, recording.recording_id) == ("pending", None)
+
+        # The backend writes the files and asks again for one of them.
+        for recording in (lost, asked_again):
+            recording.folder.mkdir()
+            (recording.folder / "mixed.wav").write_bytes(recording.audio)
+            (recording.folder / "meta.json").write_bytes(b"{}")
+        await execute(
+            backend_dsn,
+            "UPDATE recordings SET upload_status = 'pending', updated_at = now() WHERE id = %s",
+            (asked_again.recording_id,),
+        )
+
+        second = procs.upload_consumer(backend_dsn, receiver.url, local, "second")
+        await second.wait_log("1 parked recording(s) marked failed")
+        await wait_uploaded(backend_dsn, asked_again.recording_id)
+        await wait_offset_at_end(backend_dsn)
+        assert await second.stop() == 0
+        assert await recording_row(backend_dsn, lost.recording_id) == ("failed", None)
+        assert receiver.log.ids() == {asked_again.recording_id}
+        assert lost.folder.exists()
 
 
 # -- startup -------------------------------------------------------------------------------------
@@ -624,7 +783,11 @@ async def test_run_refuses_to_start_without_a_usable_recordings_dir(
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
     for where in (tmp_path / "nowhere", a_file):
-        env = cli_env(DATABASE_URL=backend_dsn, RECORDINGS_DIR=str(where))
+        env = cli_env(
+            DATABASE_URL=backend_dsn,
+            FRONTEND_BASE_URL="http://127.0.0.1:9",
+            RECORDINGS_DIR=str(where),
+        )
         result = await finish(await start_cli("run", CONSUMER, env=env), timeout=30)
         # A configuration error: exit 2, one line naming the variable.
         line = assert_one_line_error(result, 2, "RECORDINGS_DIR", str(where), "not a directory")

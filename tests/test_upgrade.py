@@ -1,8 +1,9 @@
 """Upgrading a database that holds data: backend 0006 rebuilds the outbox's key and regenerates
 every relay, 0007 regenerates them again as statement triggers, 0008 with a wake-up check that
-reads a counter, and drops the BRIN, 0009 as one function per operation; nothing written before
-is lost, reordered or delivered twice, and the relay works after. Receiver 0002 re-collates the
-entity keys; stored entities and their versions stay."""
+reads a counter, and drops the BRIN, 0009 as one function per operation, 0011 with every name
+quoted and every column qualified; nothing written before is lost, reordered or delivered twice,
+and the relay works after. Receiver 0002 re-collates the entity keys; stored entities and their
+versions stay."""
 
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ async def _delivered_through(receiver_url: str, dsn: str, total: int) -> None:
         await wait_until(caught_up, what=f"{total} events delivered")
 
 
+async def _committed_by_an_older_consumer(dsn: str, count: int) -> None:
+    """Where a consumer of the older version stood after delivering the first `count` events.
+    (The current consumer needs the current schema: `serversync run` refuses a database with
+    pending migrations, so an upgrade migrates before the consumers restart.)"""
+    rows = await fetch_all(
+        dsn, "SELECT o.txid::text, o.seq FROM sync.events_outbox o ORDER BY o.txid, o.seq"
+    )
+    txid, seq = rows[count - 1]
+    await fetch_all(
+        dsn,
+        "INSERT INTO sync.consumer_offsets (consumer, last_txid, last_seq, delivered_total)"
+        " VALUES ('frontend-sync', %s::xid8, %s, %s) RETURNING consumer",
+        (txid, seq, count),
+    )
+
+
 async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
     empty_dsn: str,
     receiver_dsn: str,
@@ -46,16 +63,17 @@ async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
         ],
     )
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await migrations.migrate(conn, ["backend", "voicebot"])
+        await migrations.migrate(conn, ["backend"])
+        await migrations.apply_examples(conn)
     await insert_calls(dsn, 10, tag="before")
-    await _delivered_through(receiver_url, dsn, 10)
+    await _committed_by_an_older_consumer(dsn, 10)
     await insert_calls(dsn, 20, tag="waiting", transactions=2)
     written = await fetch_all(dsn, OUTBOX + " ORDER BY o.txid, o.seq")
 
     monkeypatch.undo()
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        applied = await migrations.migrate(conn, ["backend", "voicebot"])
-    assert [m.version for m in applied] == ["0006", "0007", "0008", "0009"]
+        applied = await migrations.migrate(conn, ["backend"])
+    assert [m.version for m in applied] == ["0006", "0007", "0008", "0009", "0010", "0011"]
 
     assert await fetch_all(dsn, OUTBOX + " ORDER BY o.txid, o.seq") == written
     constraints = await fetch_all(
@@ -89,7 +107,7 @@ async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
         "SELECT split_part(payload->>'caller_number', '-', 1), count(*) FROM ingest.entities"
         " GROUP BY 1 ORDER BY 1",
     )
-    assert callers == [("after", 5), ("before", 10), ("waiting", 20)]
+    assert callers == [("after", 5), ("waiting", 20)]
     delivered = await fetch_all(
         dsn, "SELECT delivered_total FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-import orjson
 import psycopg
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -16,7 +15,7 @@ from pydantic import ValidationError
 from consumer import signing
 from consumer.httpjson import error_response, json_response
 from consumer.instruments import tracer
-from consumer.receiver.models import INGEST_REQUEST, describe
+from consumer.receiver.models import INGEST_REQUEST, describe, parse_body
 from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles, add_routes
 from consumer.receiver.store import EntityStore
 
@@ -52,8 +51,8 @@ async def ingest_sync(request: web.Request) -> web.Response:
         )
     body = await request.read()
     try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
+        parsed = parse_body(body)
+    except ValueError as exc:
         return error_response(400, "INGEST_BAD_JSON", f"body is not JSON: {exc}")
     try:
         ingest = INGEST_REQUEST.validate_python(parsed)
@@ -66,9 +65,12 @@ async def ingest_sync(request: web.Request) -> web.Response:
     try:
         applied = await request.app[STORE_KEY].apply(body)
     except psycopg.DataError as exc:
-        return error_response(
-            422, "INGEST_VALIDATION_ERROR", f"entries: {exc.diag.message_primary or exc}"
-        )
+        # An entry PostgreSQL refuses ("\u0000" or a lone surrogate in a payload, a date out of
+        # range): the sender's fault, and its detail says which part of the entry.
+        reason = exc.diag.message_primary or str(exc)
+        if exc.diag.message_detail:
+            reason += f" ({exc.diag.message_detail})"
+        return error_response(422, "INGEST_VALIDATION_ERROR", f"entries: {reason}")
     except psycopg.OperationalError as exc:
         log.warning("receiver database unavailable: %s", exc)
         return error_response(503, "INGEST_UNAVAILABLE", "database unavailable; retry later")

@@ -21,8 +21,8 @@ import psycopg
 from opentelemetry import trace
 
 from consumer import instruments
-from consumer.events import Batch, DeadLetter, DeliveryError, Position, Sink
-from consumer.redact import mask_secrets
+from consumer.events import Batch, DeadLetter, DeliveryError, Failure, Position, Sink
+from consumer.redact import safe_error
 from consumer.runtime.backoff import Backoff
 from consumer.runtime.pacing import ReadPacer
 from consumer.runtime.wakeup import NotifyListener
@@ -30,7 +30,9 @@ from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import FencedError, OutboxStore, ReadResult
 
 log = logging.getLogger("serversync.runtime")
-# The longest Retry-After the runtime waits for before trying again anyway.
+# A receiver's Retry-After is waited for within these bounds: a "0" does not make a busy loop, a
+# day of silence is not granted.
+RETRY_AFTER_FLOOR_SEC = 0.5
 RETRY_AFTER_CEILING_SEC = 3600.0
 T = TypeVar("T")
 
@@ -52,8 +54,8 @@ class RuntimeConfig:
     shutdown_timeout: float = 5.0
     # After an empty read, look again this much later before announcing that we wait.
     linger: float = 0.005
-    # Retryable failures of one batch before its events are parked; 0 never gives up.
-    max_attempts: int = 8
+    # Attempts while the receiver is unavailable before a batch is parked; 0 never gives up.
+    max_attempts: int = 0
     # How often an operator may retry a parked event before it is DEAD.
     dlq_max_retries: int = 3
     # Batches being delivered at once while a backlog drains; offsets still move in order.
@@ -90,10 +92,27 @@ class RuntimeStats:
     # database_unreachable, stopped: what /readyz reports.
     state: str = "starting"
 
+    # While deliveries keep failing (the offset held): since when (wall clock), why, and the
+    # last error; cleared by the next offset commit.
+    failing_since: float | None = None
+    failing_reason: Failure | None = None
+    last_error: str | None = None
+
     @property
     def is_leader(self) -> bool:
         """This process leads its consumer right now."""
         return self.state == "leader"
+
+    def fail(self, failure: Failure, error: str) -> float:
+        """A delivery failed and will be tried again; since when deliveries fail."""
+        if self.failing_since is None:
+            self.failing_since = time.time()
+        self.failing_reason, self.last_error = failure, error
+        return self.failing_since
+
+    def recover(self) -> None:
+        """An offset commit: deliveries go through again."""
+        self.failing_since = self.failing_reason = self.last_error = None
 
 
 @dataclass
@@ -135,6 +154,19 @@ class ConsumerRuntime:
         self._lost_signal: asyncio.Future[None] | None = None
         self._labels = {"consumer": consumer}
 
+    def delivery_health(self) -> dict[str, Any]:
+        """Whether deliveries go through, for /readyz: {"state": "ok"}, "not_leading", or
+        "delivery_failing" with the reason, for how long and the last error."""
+        stats = self.stats
+        if stats.failing_since is not None and stats.failing_reason is not None:
+            return {
+                "state": "delivery_failing",
+                "reason": stats.failing_reason.value,
+                "failing_seconds": round(time.time() - stats.failing_since, 3),
+                "last_error": stats.last_error,
+            }
+        return {"state": "ok" if stats.is_leader else "not_leading"}
+
     def request_stop(self) -> None:
         """Ask the loop to finish (what SIGTERM/SIGINT do); the one way to stop it."""
         self.stop_event.set()
@@ -155,6 +187,9 @@ class ConsumerRuntime:
         if self.stop_event.is_set():
             _complete(self._stop_signal)
         instruments.LEADER.set(0, self._labels)
+        for failure in Failure:
+            # Every reason exported from the start (at 0), so rates and alerts see the first one.
+            instruments.DELIVERY_FAILURES.add(0, {"consumer": self.consumer, "reason": failure})
         await self._with_db_retry(lambda: self.store.ensure_consumer(self.consumer))
         await self.sink.start()
         try:
@@ -374,11 +409,14 @@ class ConsumerRuntime:
     ) -> ReadResult:
         """The prefetched read when there is one, else a fresh read (with database retries)."""
         if prefetch is not None:
-            with contextlib.suppress(psycopg.OperationalError):
+            # A failed read-ahead is read again below, with the retries of a fresh read.
+            with contextlib.suppress(psycopg.Error):
                 return await prefetch
         # A NOTIFY that arrives from here on must wake the next wait.
         wakeup.clear()
-        return await self._with_db_retry(functools.partial(self.store.read_batch, position, limit))
+        return await self._with_db_retry(
+            functools.partial(self.store.read_batch, position, limit), batch=True
+        )
 
     def _start_delivery(self, batch: Batch, epoch: int) -> _InFlight:
         """Start settling `batch` in a task of its own, inside the batch's span."""
@@ -466,9 +504,12 @@ class ConsumerRuntime:
     async def _settle(self, batch: Batch, epoch: int) -> list[DeadLetter] | None:
         """Deliver `batch`; the entries to park, or None if a stop came first.
 
-        Retryable failures keep the offset and back off (honouring Retry-After) up to
-        max_attempts, then the whole batch is parked. A refused batch is split in halves until
-        the refused entries are found: one poison entry never parks its neighbours.
+        Only a refusal of the content parks events: a refused batch is split in halves until the
+        refused entries are found, so one poison entry never parks its neighbours. Everything
+        else (the receiver unavailable, a wrong destination, an error of the consumer's own)
+        holds the offset and is tried again with backoff, or after the receiver's Retry-After,
+        for as long as it lasts; SYNC_MAX_ATTEMPTS > 0 opts into parking a batch the receiver
+        stayed unavailable for.
         """
         backoff = Backoff(self.config.retry_initial, self.config.retry_max)
         while True:
@@ -481,57 +522,108 @@ class ConsumerRuntime:
                 instruments.DELIVERY_ATTEMPTS.record(backoff.attempts + 1, self._labels)
                 return []
             except DeliveryError as exc:
-                self.stats.failed_deliveries += 1
-                error = mask_secrets(str(exc))
-                trace.get_current_span().add_event(
-                    "delivery failed",
-                    {"serversync.error_code": exc.code, "serversync.retryable": exc.retryable},
+                error = DeliveryError(
+                    safe_error(str(exc)),
+                    failure=exc.failure,
+                    code=exc.code,
+                    retry_after=exc.retry_after,
                 )
-                if not exc.retryable:
-                    if batch.count == 1:
-                        instruments.DELIVERY_ATTEMPTS.record(backoff.attempts + 1, self._labels)
-                        log.warning(
-                            "consumer %s: parking seq %s: %s", self.consumer, batch.seq_range, error
-                        )
-                        return [DeadLetter(batch.raw_entries()[0], exc.code, error)]
-                    parked: list[DeadLetter] = []
-                    for half in batch.split():
-                        settled = await self._settle(half, epoch)
-                        if settled is None:
-                            return None
-                        parked += settled
-                    return parked
-                attempts = backoff.attempts + 1
-                if self.config.max_attempts and attempts >= self.config.max_attempts:
-                    instruments.DELIVERY_ATTEMPTS.record(attempts, self._labels)
-                    log.warning(
-                        "consumer %s: giving up on seq %s after %d attempts; parking: %s",
-                        self.consumer,
-                        batch.seq_range,
-                        attempts,
-                        error,
+            except (LeadershipLostError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                # A sink's bug or an odd value it did not expect: one batch must not crash the
+                # process into a restart loop that reads the same batch again. Say it loudly,
+                # with the traceback once per streak, and try again.
+                log.error(
+                    "consumer %s: delivering seq %s raised %s",
+                    self.consumer,
+                    batch.seq_range,
+                    type(exc).__name__,
+                    exc_info=self.stats.failing_reason != Failure.INTERNAL,
+                )
+                error = DeliveryError(
+                    safe_error(f"{type(exc).__name__}: {exc}"),
+                    failure=Failure.INTERNAL,
+                    code="INTERNAL_ERROR",
+                )
+            self.stats.failed_deliveries += 1
+            failure = error.failure
+            instruments.DELIVERY_FAILURES.add(
+                1, {"consumer": self.consumer, "reason": failure.value}
+            )
+            trace.get_current_span().add_event(
+                "delivery failed",
+                {"serversync.error_code": error.code, "serversync.failure": failure.value},
+            )
+            if failure.parks:
+                try:
+                    return await self._park_refused(batch, epoch, error, backoff.attempts + 1)
+                except ValueError as exc:
+                    # Entries the consumer cannot cut apart: held and retried, never skipped.
+                    log.error("consumer %s: cannot split seq %s", self.consumer, batch.seq_range)
+                    error = DeliveryError(
+                        safe_error(f"cannot split the batch to find the refused entries: {exc}"),
+                        failure=Failure.INTERNAL,
+                        code="INTERNAL_ERROR",
                     )
-                    return [DeadLetter(raw, exc.code, error) for raw in batch.raw_entries()]
-                delay = backoff.next_delay()
-                if exc.retry_after is not None:
-                    # Honoured, but a receiver asking for a day of silence does not get it.
-                    delay = max(delay, min(exc.retry_after, RETRY_AFTER_CEILING_SEC))
-                self.stats.retries += 1
-                self._count_events(batch.count, "retry")
+                    failure = error.failure
+            attempts = backoff.attempts + 1
+            if (
+                failure is Failure.UNAVAILABLE
+                and self.config.max_attempts
+                and attempts >= self.config.max_attempts
+            ):
+                instruments.DELIVERY_ATTEMPTS.record(attempts, self._labels)
                 log.warning(
-                    "consumer %s: delivery of seq %s failed (attempt %d): %s; retrying in %.1fs",
+                    "consumer %s: giving up on seq %s after %d attempts "
+                    "(SYNC_MAX_ATTEMPTS); parking: %s",
                     self.consumer,
                     batch.seq_range,
                     attempts,
                     error,
-                    delay,
                 )
-                with contextlib.suppress(psycopg.Error):
-                    await self._bounded_by_stop(
-                        functools.partial(self.store.record_error, self.consumer, epoch, error)
+                return [DeadLetter(raw, error.code, str(error)) for raw in batch.raw_entries()]
+            delay = retry_delay(backoff, error.retry_after)
+            self.stats.retries += 1
+            self._count_events(batch.count, "retry")
+            since = self.stats.fail(failure, str(error))
+            log.warning(
+                "consumer %s: delivery of seq %s failed (attempt %d): %s; retrying in %.1fs "
+                "(%s for %.0fs)",
+                self.consumer,
+                batch.seq_range,
+                attempts,
+                error,
+                delay,
+                failure.value,
+                time.time() - since,
+                extra={"consumer": self.consumer, "reason": failure.value},
+            )
+            with contextlib.suppress(psycopg.Error):
+                await self._bounded_by_stop(
+                    functools.partial(
+                        self.store.record_failure, self.consumer, epoch, str(error), failure.value
                     )
-                if not await self._sleep_unless_stopped(delay):
-                    return None
+                )
+            if not await self._sleep_unless_stopped(delay):
+                return None
+
+    async def _park_refused(
+        self, batch: Batch, epoch: int, error: DeliveryError, attempts: int
+    ) -> list[DeadLetter] | None:
+        """The receiver refused `batch`: park it if it is one event, else settle each half (so
+        one poison entry never parks its neighbours). None if a stop came first."""
+        if batch.count == 1:
+            instruments.DELIVERY_ATTEMPTS.record(attempts, self._labels)
+            log.warning("consumer %s: parking seq %s: %s", self.consumer, batch.seq_range, error)
+            return [DeadLetter(batch.raw_entries()[0], error.code, str(error))]
+        parked: list[DeadLetter] = []
+        for half in batch.split():
+            settled = await self._settle(half, epoch)
+            if settled is None:
+                return None
+            parked += settled
+        return parked
 
     def _count_events(self, count: int, outcome: str) -> None:
         instruments.EVENTS.add(count, {"consumer": self.consumer, "outcome": outcome})
@@ -580,11 +672,20 @@ class ConsumerRuntime:
                     delivered,
                     parked=parked,
                     max_retries=self.config.dlq_max_retries,
-                )
+                ),
+                batch=True,
             )
         except FencedError as exc:
             raise LeadershipLostError(str(exc)) from exc
         self.stats.position = batch.end
+        if self.stats.failing_since is not None:
+            log.info(
+                "consumer %s: delivering again after %.0fs of failures (%s)",
+                self.consumer,
+                time.time() - self.stats.failing_since,
+                self.stats.failing_reason,
+            )
+            self.stats.recover()
         self.stats.delivered_events += delivered
         self.stats.parked_events += len(parked)
         if parked:
@@ -640,8 +741,15 @@ class ConsumerRuntime:
         if self._lost.is_set():
             raise LeadershipLostError("leader lock session lost")
 
-    async def _with_db_retry(self, op: Callable[[], Awaitable[T]]) -> T:
-        """Run a database step, riding out connection loss and server restarts with backoff."""
+    async def _with_db_retry(self, op: Callable[[], Awaitable[T]], *, batch: bool = False) -> T:
+        """Run a database step, riding out connection loss and server restarts with backoff.
+
+        A `batch` step (reading a batch, committing one) also rides out any other error the
+        database answers: a value it refuses must not crash the process into a restart loop
+        that meets the same batch again. The step is retried with backoff, loudly (the log,
+        and `serversync status` through the failing streak), until it passes or an operator
+        steps in.
+        """
         backoff = Backoff(0.2, 10.0)
         while True:
             try:
@@ -657,7 +765,26 @@ class ConsumerRuntime:
                     _one_line(exc),
                     delay,
                 )
-                await self._sleep_unless_stopped(delay)
+            except psycopg.Error as exc:
+                if not batch or self.stop_event.is_set():
+                    raise
+                self._raise_if_lost()
+                delay = max(backoff.next_delay(), self.config.retry_initial)
+                error = safe_error(f"{type(exc).__name__}: {_one_line(exc)}")
+                log.error(
+                    "consumer %s: the database refused a step at position %s: %s; "
+                    "retrying in %.1fs",
+                    self.consumer,
+                    self.stats.position,
+                    error,
+                    delay,
+                    exc_info=self.stats.failing_reason != Failure.INTERNAL,
+                )
+                self.stats.fail(Failure.INTERNAL, error)
+                instruments.DELIVERY_FAILURES.add(
+                    1, {"consumer": self.consumer, "reason": Failure.INTERNAL.value}
+                )
+            await self._sleep_unless_stopped(delay)
 
     async def _bounded_by_stop(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run one database step; once a stop is requested, give it at most the shutdown timeout.
@@ -684,6 +811,16 @@ class ConsumerRuntime:
             await asyncio.wait_for(self.stop_event.wait(), timeout=delay)
             return False
         return True
+
+
+def retry_delay(backoff: Backoff, retry_after: float | None) -> float:
+    """How long to wait before the next attempt: the receiver's Retry-After when it gave one
+    (its word, clamped to RETRY_AFTER_FLOOR_SEC .. RETRY_AFTER_CEILING_SEC, as urllib3 and the
+    Google API clients take it), else the backoff's next delay."""
+    delay = backoff.next_delay()
+    if retry_after is None:
+        return delay
+    return min(max(retry_after, RETRY_AFTER_FLOOR_SEC), RETRY_AFTER_CEILING_SEC)
 
 
 def _complete(signal: asyncio.Future[None] | None) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 
 from consumer.events import Batch, DeliveryError
 from consumer.signing import sign
-from consumer.sinks.http import HttpSink, client_span, raise_for_outcome
+from consumer.sinks.http import HttpSink, answer_of, client_span
 
 INGEST_PATH = "/api/ingest/sync"
 
@@ -35,10 +37,15 @@ class FrontendSyncSink(HttpSink):
         }
         with client_span("POST", self.url, headers):
             try:
-                async with self.session.post(self.url, data=body, headers=headers) as response:
-                    outcome = await raise_for_outcome(response, f"POST {self.url}")
+                async with self.post(self.url, data=body, headers=headers) as response:
+                    answer = await answer_of(response, f"POST {self.url}", is_sync_answer)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise DeliveryError(
                     f"POST {self.url} failed: {type(exc).__name__}: {exc}", code="NETWORK_ERROR"
                 ) from exc
-        return "conflict_processed" if outcome == "conflict_processed" else None
+        return "conflict_processed" if answer.outcome == "conflict_processed" else None
+
+
+def is_sync_answer(answer: dict[str, Any]) -> bool:
+    """The receiver's answer to a batch: a JSON object with "ok": true (docs/wire-contract.md)."""
+    return answer.get("ok") is True

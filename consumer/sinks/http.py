@@ -6,17 +6,21 @@ import contextlib
 import email.utils
 import functools
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import aiohttp
+import orjson
+from aiohttp.client import _RequestContextManager
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
-from consumer.events import DeliveryError
+from consumer.events import DeliveryError, Failure
 from consumer.instruments import tracer
-from consumer.redact import mask_secrets
+from consumer.redact import mask_secrets, safe_error
 
 
 class HttpSink:
@@ -42,6 +46,12 @@ class HttpSink:
         """The open session (start() first)."""
         assert self._session is not None, "start() first"
         return self._session
+
+    def post(self, url: str, **kwargs: Any) -> _RequestContextManager:
+        """POST with redirects off, for every sink: aiohttp would follow a 301/302 as a GET
+        (the events go nowhere while the GET's 200 reads as delivered) and send the signature
+        headers to the redirect's host. A 3xx is answered as a wrong destination instead."""
+        return self.session.post(url, allow_redirects=False, **kwargs)
 
 
 def client_session(timeout_sec: float) -> aiohttp.ClientSession:
@@ -90,26 +100,102 @@ def parse_retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-# What an answer means (seed 001): 409 says "already processed", the rest of 4xx refuses the
-# content itself (retrying cannot help), 5xx, 408, 425 and 429 are passing trouble.
+# The most of an answer a sink reads: a receiver's answer is a small JSON object, and an error
+# page of any size must not cost the consumer its memory.
+MAX_ANSWER_BYTES = 64 * 1024
 DELIVERED_CONFLICT = 409
-RETRYABLE_4XX = frozenset({408, 425, 429})
+# The receiver is down or busy: tried again, with the offset held.
+UNAVAILABLE_4XX = frozenset({408, 425, 429})
+# The destination is wrong, not the data (a wrong or rotated secret, a skewed clock, a route not
+# served yet): tried again, with the offset held, until an operator fixes it.
+WRONG_DESTINATION_4XX = frozenset({401, 403, 404, 405})
 
 
-async def raise_for_outcome(response: aiohttp.ClientResponse, what: str) -> str:
-    """ "delivered" or "conflict_processed"; DeliveryError (retryable or not) for the rest."""
+def failure_of(status: int) -> Failure | None:
+    """What a status means for the events sent: None when they are delivered (2xx, and 409,
+    "already processed"), else the kind of failure."""
+    if 200 <= status < 300 or status == DELIVERED_CONFLICT:
+        return None
+    if status >= 500 or status in UNAVAILABLE_4XX:
+        return Failure.UNAVAILABLE
+    if status < 400 or status in WRONG_DESTINATION_4XX:
+        # 3xx: redirects are never followed (a POST would become a GET, and the signature
+        # would go to another host), so a redirect means the base URL is wrong.
+        return Failure.WRONG_DESTINATION
+    return Failure.REFUSED
+
+
+async def read_capped(response: aiohttp.ClientResponse, limit: int = MAX_ANSWER_BYTES) -> bytes:
+    """At most `limit` bytes of the answer's body, and one more if there is more."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = await response.content.read(limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A receiver's answer that delivered the events: "delivered" or "conflict_processed", and
+    its JSON object (for a 409, whatever object it sent, or an empty one)."""
+
+    outcome: str
+    body: dict[str, Any]
+
+
+async def answer_of(
+    response: aiohttp.ClientResponse,
+    what: str,
+    is_receivers_answer: Callable[[dict[str, Any]], bool],
+) -> Answer:
+    """The answer of a request that delivered the events, or DeliveryError.
+
+    A 2xx counts only when its body is the receiver's JSON answer (`is_receivers_answer`): a
+    proxy's or a login page's 200 means the events went nowhere.
+    """
     status = response.status
     trace.get_current_span().set_attribute("http.response.status_code", status)
-    if 200 <= status < 300:
-        return "delivered"
-    if status == DELIVERED_CONFLICT:
-        return "conflict_processed"
-    # Masked before it is cut short: a secret cut in two would escape its pattern.
-    body = mask_secrets(" ".join((await response.text(errors="replace")).split()))[:300]
-    retryable = status >= 500 or status in RETRYABLE_4XX or status < 400
+    failure = failure_of(status)
+    body = await read_capped(response)
+    if failure is None:
+        if status == DELIVERED_CONFLICT:
+            return Answer("conflict_processed", _json_object(body) or {})
+        answer = _json_object(body) if len(body) <= MAX_ANSWER_BYTES else None
+        if answer is not None and is_receivers_answer(answer):
+            return Answer("delivered", answer)
+        raise DeliveryError(
+            f"{what} answered HTTP {status} without the receiver's JSON answer: {_excerpt(body)}",
+            failure=Failure.WRONG_DESTINATION,
+            code="BAD_RESPONSE",
+        )
+    location = response.headers.get("Location")
+    where = (
+        f" to {mask_secrets(location)[:200]}"
+        if failure is Failure.WRONG_DESTINATION and location
+        else ""
+    )
     raise DeliveryError(
-        f"{what} answered HTTP {status}: {body}",
-        retryable=retryable,
+        f"{what} answered HTTP {status}{where}: {_excerpt(body)}",
+        failure=failure,
         code=f"HTTP_{status}",
         retry_after=parse_retry_after(response.headers.get("Retry-After")),
     )
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _excerpt(body: bytes) -> str:
+    """The start of a body, fit for a log line and the dead-letter queue."""
+    text = body.decode("utf-8", errors="replace")
+    # Masked before it is cut short: a secret cut in two would escape its pattern.
+    return safe_error(" ".join(text.split()))[:300]

@@ -1,4 +1,4 @@
-"""The backend's recordings on local disk: find them safely, read them, delete them.
+"""The backend's recordings on local disk: find them safely, read them, delete what was sent.
 
 Every path comes from a database row, so it is treated as untrusted: it must resolve, without
 leaving through `..` or a symlink, to a file in a folder strictly inside RECORDINGS_DIR. Nothing
@@ -8,10 +8,10 @@ retryable, so the event is parked with a code saying why.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
-import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +33,7 @@ FilesState = tuple[tuple[int, int, int, int], ...]
 class LocalRecording:
     """Where one recording's files are."""
 
-    # The <callId>/ folder, deleted once the upload is safe.
+    # The <callId>/ folder: deleted once the last of its recordings is uploaded.
     folder: Path
     audio: Path
     meta: Path
@@ -190,9 +190,51 @@ class RecordingsDir:
         )
 
     def remove(self, recording: LocalRecording) -> bool:
-        """Delete the recording's folder (blocking); False if it was already gone."""
+        """Delete what was uploaded of the recording (blocking): its audio file, then meta.json
+        and the <callId>/ folder once nothing else is left in it. False if none of it was there.
+
+        A call may have several recordings in one folder, sharing its meta.json: each keeps its
+        files until its own upload, and meta.json goes with the last. A file that no upload sent
+        is never deleted (its folder then stays). The folder is opened without following a
+        symlink, and everything is deleted through that handle: a folder swapped for a link
+        after locate() is refused (OSError), not followed.
+        """
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
         try:
-            shutil.rmtree(recording.folder)
+            parent = os.open(recording.folder.parent, flags)
         except FileNotFoundError:
             return False
-        return True
+        try:
+            try:
+                folder = os.open(recording.folder.name, flags | os.O_NOFOLLOW, dir_fd=parent)
+            except FileNotFoundError:
+                return False
+            try:
+                removed = _unlink(recording.audio.name, folder)
+                left = os.listdir(folder)
+                if left and left != [recording.meta.name]:
+                    return removed
+                if left:
+                    _unlink(recording.meta.name, folder)
+            finally:
+                os.close(folder)
+            try:
+                os.rmdir(recording.folder.name, dir_fd=parent)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                # A file written into the folder meanwhile: the folder stays with it.
+                if exc.errno != errno.ENOTEMPTY:
+                    raise
+            return True
+        finally:
+            os.close(parent)
+
+
+def _unlink(name: str, folder: int) -> bool:
+    """Delete a file (or a symlink itself) of an open folder; False if it was not there."""
+    try:
+        os.unlink(name, dir_fd=folder)
+    except FileNotFoundError:
+        return False
+    return True

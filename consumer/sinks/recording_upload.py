@@ -4,28 +4,33 @@ For every `recording` event whose row still says upload_status='pending', in thi
 1. POST the files as multipart to $FRONTEND_BASE_URL/api/ingest/recording-file (streamed from
    disk) and check that the receiver kept exactly these bytes (its answer names their SHA-256);
 2. mark the row uploaded with the answered fileUrl (the change flows on through frontend-sync);
-3. delete the local <callId>/ folder.
+3. delete the recording's local files: its audio, and meta.json with the <callId>/ folder once
+   no other recording of the call is left in it.
 Only then does the runtime move the offset. A crash between any two steps is repaired by doing
 the batch again: the receiver is idempotent by recordingId, a row already marked is not uploaded
-again, and a folder already gone is not an error.
+again, and files already gone are not an error.
+
+A recording the consumer parks in the dead-letter queue is marked 'failed' once the park is
+committed (consumer/wiring.py); the sink that redelivers it for an operator (for_dead_letters)
+makes it 'pending' while it is tried, then 'uploaded', or 'failed' again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 
 from consumer import failpoints
-from consumer.events import Batch, DeliveryError
-from consumer.recordings import PENDING, UPLOADED, RecordingLedger, RecordingRow
+from consumer.events import Batch, DeliveryError, Failure
+from consumer.recordings import FAILED, PENDING, UPLOADED, RecordingLedger, RecordingRow
 from consumer.signing import recording_file_message, sign
-from consumer.sinks.http import HttpSink, client_span, raise_for_outcome
+from consumer.sinks.http import HttpSink, answer_of, client_span
 from consumer.sinks.local_recordings import (
     FilesState,
     LocalRecording,
@@ -87,11 +92,15 @@ class RecordingUploadSink(HttpSink):
         timeout_sec: float,
         shared_secret: str | None = None,
         concurrency: int = 4,
+        for_dead_letters: bool = False,
     ) -> None:
         super().__init__(timeout_sec)
         self.url = base_url.rstrip("/") + UPLOAD_PATH
         self.ledger = ledger
         self.recordings = recordings
+        # This sink delivers the events an operator retries from the dead-letter queue (`dlq
+        # retry`, retry-all, the admin API): a 'failed' row, parked, is uploaded too.
+        self.for_dead_letters = for_dead_letters
         self._secret = shared_secret
         self._slots = asyncio.Semaphore(concurrency)
         self._refusals: dict[str, _Refusal] = {}
@@ -130,31 +139,74 @@ class RecordingUploadSink(HttpSink):
             if row.upload_status == UPLOADED:
                 await self._remove_leftover(row)
                 return
+            if row.upload_status == FAILED and self.for_dead_letters:
+                # An operator retries the parked upload: pending again while it is tried.
+                await self.ledger.mark_pending(recording_id)
+                row = dataclasses.replace(row, upload_status=PENDING)
             if row.upload_status != PENDING:
                 log.info("recording %s: status %s; skipped", recording_id, row.upload_status)
                 return
-            local = self.recordings.locate(row.file_path)
-            state = await asyncio.to_thread(local.state)
-            refused = self._recall_refusal(recording_id, state, alone)
-            if refused is not None:
-                raise refused
-            prepared = await asyncio.to_thread(self.recordings.prepare, local)
             try:
-                file_url = await self._upload(row, local, prepared)
+                await self._ship(row, alone)
             except DeliveryError as exc:
-                if not exc.retryable and not alone and state is not None:
-                    self._remember_refusal(recording_id, state, exc)
+                if not exc.retryable and await self._settled_meanwhile(recording_id):
+                    return
+                if self.for_dead_letters:
+                    await self._mark_failed_again(recording_id)
                 raise
-            failpoints.reach("recording-upload.after-upload")
-            await self.ledger.mark_uploaded(recording_id, file_url)
-            failpoints.reach("recording-upload.after-mark")
-            await self._remove(local, recording_id)
-            log.info(
-                "recording %s: uploaded %d bytes to %s; local folder deleted",
+
+    async def _ship(self, row: RecordingRow, alone: bool) -> None:
+        """Upload a pending recording, mark it uploaded, delete its local files."""
+        recording_id = row.id
+        local = self.recordings.locate(row.file_path)
+        state = await asyncio.to_thread(local.state)
+        refused = self._recall_refusal(recording_id, state, alone)
+        if refused is not None:
+            raise refused
+        prepared = await asyncio.to_thread(self.recordings.prepare, local)
+        try:
+            file_url = await self._upload(row, local, prepared)
+        except DeliveryError as exc:
+            if not exc.retryable and not alone and state is not None:
+                self._remember_refusal(recording_id, state, exc)
+            raise
+        failpoints.reach("recording-upload.after-upload")
+        await self.ledger.mark_uploaded(recording_id, file_url)
+        failpoints.reach("recording-upload.after-mark")
+        await self._remove(local, recording_id)
+        log.info(
+            "recording %s: uploaded %d bytes to %s; local files deleted",
+            recording_id,
+            prepared.audio_size,
+            file_url,
+            extra={"recording_id": recording_id, "file_url": file_url},
+        )
+
+    async def _settled_meanwhile(self, recording_id: str) -> bool:
+        """Whether the row stopped being pending while its upload was refused: another uploader
+        of it (an operator's retry beside the running consumer, or the consumer beside a retry)
+        uploaded it, and deleted its files, or an operator's retry that failed marked it. Not a
+        refusal of this event, then: nothing to park."""
+        try:
+            row = await self.ledger.recording(recording_id)
+        except DeliveryError:
+            return False
+        if row is not None and row.upload_status == PENDING:
+            return False
+        status = "deleted" if row is None else row.upload_status
+        log.info("recording %s: %s meanwhile by someone else; not parked", recording_id, status)
+        return True
+
+    async def _mark_failed_again(self, recording_id: str) -> None:
+        """An operator's retry failed: the message is back in the dead-letter queue, and the row
+        says so again."""
+        try:
+            await self.ledger.mark_failed(recording_id)
+        except DeliveryError as exc:
+            log.warning(
+                "recording %s: retry failed, and marking the row failed again failed too: %s",
                 recording_id,
-                prepared.audio_size,
-                file_url,
-                extra={"recording_id": recording_id, "file_url": file_url},
+                exc,
             )
 
     def _remember_refusal(self, recording_id: str, state: FilesState, error: DeliveryError) -> None:
@@ -183,7 +235,7 @@ class RecordingUploadSink(HttpSink):
         return DeliveryError(str(error), retryable=False, code=error.code)
 
     async def _remove_leftover(self, row: RecordingRow) -> None:
-        """A row already uploaded: its folder may outlive a crash between marking and deleting."""
+        """A row already uploaded: its files may outlive a crash between marking and deleting."""
         try:
             local = self.recordings.locate(row.file_path)
         except DeliveryError as exc:
@@ -191,7 +243,7 @@ class RecordingUploadSink(HttpSink):
             log.warning("recording %s: uploaded; local copy left alone: %s", row.id, exc)
             return
         if await self._remove(local, row.id):
-            log.info("recording %s: already uploaded; deleted the folder left behind", row.id)
+            log.info("recording %s: already uploaded; deleted the files left behind", row.id)
 
     async def _remove(self, local: LocalRecording, recording_id: str) -> bool:
         try:
@@ -237,31 +289,28 @@ class RecordingUploadSink(HttpSink):
                 "meta", prepared.meta_json, filename="meta.json", content_type="application/json"
             )
             with client_span("POST", self.url, headers):
-                async with self.session.post(
+                async with self.post(
                     self.url, data=form, headers=headers, timeout=timeout
                 ) as response:
-                    await raise_for_outcome(response, f"POST {self.url}")
-                    body = await response.read()
+                    answer = await answer_of(response, f"POST {self.url}", has_file_url)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise DeliveryError(
                 f"POST {self.url} failed: {type(exc).__name__}: {exc}", code="NETWORK_ERROR"
             ) from exc
         finally:
             audio.close()
-        return self._confirmed_url(body, prepared)
+        return self._confirmed_url(answer.body, prepared)
 
-    def _confirmed_url(self, body: bytes, prepared: PreparedUpload) -> str:
+    def _confirmed_url(self, answer: dict[str, Any], prepared: PreparedUpload) -> str:
         """The fileUrl of an answer that confirms the receiver holds exactly our bytes."""
-        try:
-            answer = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            answer = None
-        file_url = answer.get("fileUrl") if isinstance(answer, dict) else None
-        if not isinstance(file_url, str) or not file_url.startswith(("http://", "https://")):
+        if not has_file_url(answer):
+            # A 409 ("had it already") that does not say where: the local copy stays.
             raise DeliveryError(
-                f"POST {self.url} answered without a fileUrl: {body[:200]!r}", code="BAD_RESPONSE"
+                f"POST {self.url} answered without a fileUrl",
+                failure=Failure.WRONG_DESTINATION,
+                code="BAD_RESPONSE",
             )
-        assert isinstance(answer, dict)
+        file_url: str = answer["fileUrl"]
         # The contract only promises fileUrl; a receiver that also names what it stored (ours
         # does) must name our bytes, or the local copy is not deleted on its word.
         for field, sent in (("sha256", prepared.audio_sha256), ("size", prepared.audio_size)):
@@ -272,3 +321,9 @@ class RecordingUploadSink(HttpSink):
                     code="UPLOAD_UNCONFIRMED",
                 )
         return file_url
+
+
+def has_file_url(answer: dict[str, Any]) -> bool:
+    """The receiver's answer to an upload names where it keeps the file (an http(s) URL)."""
+    file_url = answer.get("fileUrl")
+    return isinstance(file_url, str) and file_url.startswith(("http://", "https://"))

@@ -10,19 +10,20 @@ from __future__ import annotations
 import contextlib
 import enum
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import orjson
 import psycopg
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
-from consumer.events import Batch, Position
+from consumer.events import JSON_TEXT, Batch, DeadLetter, Position, json_members
 from consumer.queries import query
-from consumer.redact import mask_secrets
+from consumer.redact import safe_error
 
 MAX_PAGE_SIZE = 100
 DEFAULT_PAGE_SIZE = 20
@@ -30,6 +31,8 @@ DEFAULT_PAGE_SIZE = 20
 MAX_PAGE = 1_000_000_000
 # Error messages are kept whole enough to diagnose, small enough to list.
 MAX_ERROR_CHARS = 2000
+# Error codes are short names (HTTP_422, NETWORK_ERROR); anything longer is not one.
+MAX_CODE_CHARS = 100
 
 
 class DlqStatus(enum.StrEnum):
@@ -71,7 +74,9 @@ class DlqMessage:
     entity_type: str
     entity_id: str
     op: str
-    payload: dict[str, Any]
+    # The payload's JSON text as parked (the outbox's own text; the queries read payload::text).
+    # Never decoded here: a number too wide for a 64-bit integer or a double stays as written.
+    payload: str
     event_created_at: datetime | None
     error_code: str
     error_message: str
@@ -84,7 +89,7 @@ class DlqMessage:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape of the admin API and `dlq ... --json` (seed 004's DlqMessageResponse,
-        plus the event's own fields)."""
+        plus the event's own fields). The payload is embedded as its stored JSON text, as is."""
         return {
             "id": str(self.id),
             "consumer": self.consumer,
@@ -93,7 +98,7 @@ class DlqMessage:
             "entity_type": self.entity_type,
             "entity_id": self.entity_id,
             "op": self.op,
-            "payload": self.payload,
+            "payload": orjson.Fragment(self.payload),
             "event_created_at": _iso(self.event_created_at),
             "error_code": self.error_code,
             "error_message": self.error_message,
@@ -143,6 +148,35 @@ class DlqPage:
                 "has_next": self.has_next,
             },
         }
+
+
+def park_parameters(parked: Sequence[DeadLetter]) -> dict[str, list[Any]]:
+    """The columns of query park_entries, one array each, from the entries as delivered.
+
+    Each payload goes in as the entry's own JSON text, whatever it holds; error codes and
+    messages are cleaned (secrets masked, one line, no NUL, control character or lone surrogate:
+    a text column refuses a NUL, and a surrogate cannot be encoded)."""
+    columns: dict[str, list[Any]] = {
+        "seqs": [],
+        "entity_types": [],
+        "entity_ids": [],
+        "ops": [],
+        "payloads": [],
+        "created_ats": [],
+        "codes": [],
+        "messages": [],
+    }
+    for letter in parked:
+        entry = json_members(letter.entry_json.decode())
+        columns["seqs"].append(int(JSON_TEXT.decode(entry["seq"])))
+        columns["entity_types"].append(JSON_TEXT.decode(entry["entityType"]))
+        columns["entity_ids"].append(JSON_TEXT.decode(entry["entityId"]))
+        columns["ops"].append(JSON_TEXT.decode(entry["op"]))
+        columns["payloads"].append(entry["payload"])
+        columns["created_ats"].append(JSON_TEXT.decode(entry.get("createdAt", "null")))
+        columns["codes"].append(safe_error(letter.code)[:MAX_CODE_CHARS])
+        columns["messages"].append(safe_error(letter.message)[:MAX_ERROR_CHARS])
+    return columns
 
 
 def parse_id(value: str) -> uuid.UUID:
@@ -278,14 +312,15 @@ class DlqStore:
     async def mark_failed(self, message_id: uuid.UUID, code: str, message: str) -> DlqMessage:
         """Back to PENDING with the new error, or DEAD once retry_count reaches max_retries.
 
-        Secrets in `message` are masked here too (whatever the caller did): nothing unmasked may
-        reach the table. A message that a concurrent retry settled meanwhile is left as it is and
-        returned; DlqNotFoundError if it was deleted.
+        `code` and `message` are cleaned here too (whatever the caller did): nothing unmasked, no
+        control character and no lone surrogate may reach the table. A message that a concurrent
+        retry settled meanwhile is left as it is and returned; DlqNotFoundError if it was
+        deleted.
         """
         params = {
             "id": message_id,
-            "code": code,
-            "message": mask_secrets(message)[:MAX_ERROR_CHARS],
+            "code": safe_error(code)[:MAX_CODE_CHARS],
+            "message": safe_error(message)[:MAX_ERROR_CHARS],
         }
         async with self._connection() as conn:
             failed = await self._one(conn, "dlq_fail", params)

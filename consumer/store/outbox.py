@@ -15,6 +15,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from consumer.events import Batch, DeadLetter, Position
 from consumer.queries import query
+from consumer.redact import safe_error
+from consumer.store.dlq import park_parameters
 
 
 class FencedError(Exception):
@@ -151,33 +153,25 @@ class OutboxStore:
                 cur = await conn.execute(query("commit_offset"), params)
                 if cur.rowcount != 1:
                     raise FencedError(f"consumer {consumer}: epoch {epoch} was fenced off")
+                # Each payload goes in as the entry's own JSON text, byte for byte; the errors
+                # are cleaned. Nothing an entry holds can make this fail, so a refused entry
+                # never holds the offset.
                 await conn.execute(
                     query("park_entries"),
                     {
                         "consumer": consumer,
                         "max_retries": max_retries,
-                        # Built from the entries' own JSON text: payloads stay exact.
-                        "parked": b"["
-                        + b",".join(
-                            b'{"entry":'
-                            + d.entry_json
-                            + b',"errorCode":'
-                            + orjson.dumps(d.code)
-                            + b',"errorMessage":'
-                            + orjson.dumps(d.message)
-                            + b"}"
-                            for d in parked
-                        )
-                        + b"]",
+                        **park_parameters(parked),
                     },
                 )
                 # Parking is an error an operator should see in `serversync status`.
+                reason = safe_error(parked[0].message)
                 await conn.execute(
                     query("record_error"),
                     {
                         "consumer": consumer,
                         "epoch": epoch,
-                        "error": f"parked {len(parked)} event(s): {parked[0].message}"[:2000],
+                        "error": f"parked {len(parked)} event(s): {reason}"[:2000],
                     },
                 )
 
@@ -193,6 +187,15 @@ class OutboxStore:
         async with self._pool.connection() as conn:
             await conn.execute(
                 query("record_error"), {"consumer": consumer, "epoch": epoch, "error": error[:2000]}
+            )
+
+    async def record_failure(self, consumer: str, epoch: int, error: str, reason: str) -> None:
+        """A failed delivery that is tried again: the last error, and since when and why
+        deliveries fail (cleared by the next offset commit)."""
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                query("record_failure"),
+                {"consumer": consumer, "epoch": epoch, "error": error[:2000], "reason": reason},
             )
 
     async def release_leadership(self, consumer: str, epoch: int) -> None:

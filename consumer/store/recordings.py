@@ -13,7 +13,8 @@ from consumer.recordings import RecordingRow
 
 
 class RecordingStore:
-    """Reads a recording's upload state and marks it uploaded, over the consumer's pool.
+    """Reads a recording's upload state and marks it (uploaded, failed, pending again), over the
+    consumer's pool.
 
     Database trouble surfaces as a retryable DeliveryError: the batch is tried again later, as
     for any other delivery failure.
@@ -43,6 +44,25 @@ class RecordingStore:
             "recording_mark_uploaded", {"id": recording_id, "file_url": file_url}, recording_id
         )
         return marked is not None
+
+    async def mark_failed(self, recording_id: str) -> bool:
+        """Mark a row still pending 'failed' (its upload is parked); False if it was not
+        pending."""
+        marked = await self._run("recording_mark_failed", {"id": recording_id}, recording_id)
+        return marked is not None
+
+    async def mark_pending(self, recording_id: str) -> bool:
+        """Mark a 'failed' row pending again (an operator retries it); False if it was not
+        failed."""
+        marked = await self._run("recording_mark_pending", {"id": recording_id}, recording_id)
+        return marked is not None
+
+    async def fail_parked(self, consumer: str) -> int:
+        """Mark 'failed' the rows still pending whose upload `consumer` parked (see
+        recordings_fail_parked in sql/queries.sql); how many. Raises psycopg.Error."""
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(query("recordings_fail_parked"), {"consumer": consumer})
+            return int(cur.rowcount)
 
     async def _run(self, name: str, params: dict[str, str], recording_id: str) -> Any:
         """Run a one-row query: its row, or for an UPDATE a truthy value when a row changed."""
