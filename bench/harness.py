@@ -31,7 +31,7 @@ BACKEND_DB = "serversync_bench_backend"
 FRONTEND_DB = "serversync_bench_frontend"
 ROOT = Path(__file__).resolve().parent.parent
 # Consumers sign and the receiver checks, as in production.
-BENCH_SECRET = "bench-shared-secret-0123456789"  # noqa: S105 - loopback only
+BENCH_SECRET = "bench-shared-secret-0123456789abcdef"  # noqa: S105 - loopback only
 
 
 def progress(message: str) -> None:

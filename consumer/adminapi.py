@@ -16,7 +16,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from consumer.deadletters import DeadLetters
-from consumer.httpjson import error_response, json_response
+from consumer.httpjson import error_response, http_error_response, json_response
+from consumer.redact import printable
 from consumer.store.dlq import (
     DEFAULT_PAGE_SIZE,
     DlqConflictError,
@@ -58,14 +59,19 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         if exc.status < 400:
             raise
         code = NOT_FOUND if exc.status == 404 else f"HTTP_{exc.status}"
-        return error_response(exc.status, code, exc.reason)
+        return http_error_response(exc, code)
     except psycopg.OperationalError as exc:
         log.warning(
-            "admin API: database unavailable in %s %s: %s", request.method, request.path, exc
+            "admin API: database unavailable in %s %s: %s",
+            request.method,
+            printable(request.path),
+            exc,
         )
         return error_response(500, INTERNAL_ERROR, "database unavailable; retry later")
     except Exception:
-        log.exception("admin API: unhandled error in %s %s", request.method, request.path)
+        log.exception(
+            "admin API: unhandled error in %s %s", request.method, printable(request.path)
+        )
         return error_response(500, INTERNAL_ERROR, "internal error")
 
 
@@ -77,10 +83,17 @@ def bearer_auth(token: str) -> Middleware:
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/api/"):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            # aiohttp hands bytes that are not UTF-8 over as lone surrogates: encoded back as
+            # they came, such a header is only a wrong token, never an error.
+            sent = given.strip().encode("utf-8", "surrogateescape")
             # compare_digest: the time taken must not tell how much of a guess was right.
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode(), expected
-            ):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(sent, expected):
+                log.warning(
+                    "admin API: refused %s %s from %s: missing or wrong bearer token",
+                    request.method,
+                    printable(request.path),
+                    request.remote,
+                )
                 response = error_response(
                     401, UNAUTHORIZED, "missing or wrong bearer token (SYNC_ADMIN_TOKEN)"
                 )

@@ -13,6 +13,7 @@ Nothing here logs: the command line prints the outcome, the admin API logs it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from consumer.store.dlq import (
 
 # consumer name -> a new, not yet started sink of that consumer; LookupError for an unknown name.
 SinkFactory = Callable[[str], Sink]
+
+log = logging.getLogger("serversync.deadletters")
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,13 @@ class DeadLetters:
             error = safe_error(str(exc))
             failed = await self._store.mark_failed(message_id, exc.code, error)
             return RetryResult(failed, delivered=False, error=error, retryable=exc.retryable)
+        except Exception as exc:
+            # A sink's own failure on this event: the message goes back to PENDING with it, and
+            # the operator gets an answer, not a 500 with the message left RETRYING.
+            log.exception("retry of dead letter %s failed", message_id)
+            error = safe_error(f"{type(exc).__name__}: {exc}")
+            failed = await self._store.mark_failed(message_id, "INTERNAL_ERROR", error)
+            return RetryResult(failed, delivered=False, error=error, retryable=True)
         resolved = await self._store.mark_resolved(message_id)
         return RetryResult(resolved, delivered=True)
 

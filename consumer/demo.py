@@ -426,7 +426,7 @@ async def run_demo(calls: int = 5, recordings: int = 3) -> int:
             "RECORDINGS_STORE_DIR": str(store_dir),
             "SYNC_LOG_LEVEL": "INFO",
             # The consumers sign, the receiver checks: the same secret on both sides.
-            "SYNC_SHARED_SECRET": secrets.token_hex(16),
+            "SYNC_SHARED_SECRET": secrets.token_hex(32),
         }
         await processes.spawn("ingest-server", ["ingest-server"], env)
         for consumer in CONSUMERS:

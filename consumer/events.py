@@ -97,7 +97,7 @@ class Batch:
     @classmethod
     def of_raw(cls, parts: list[bytes], end: Position) -> Batch:
         """A batch of raw entries (a part of a split batch)."""
-        seqs = [int(JSON_TEXT.decode(part.decode())["seq"]) for part in parts]
+        seqs = [int(json_members(part.decode())["seq"]) for part in parts]
         return cls(
             count=len(parts),
             end=end,
@@ -114,67 +114,90 @@ class Batch:
         return Batch.of_raw(parts[:middle], self.end), Batch.of_raw(parts[middle:], self.end)
 
 
-# Finds where each JSON value ends without converting its numbers: a payload number of any size
-# (a 5000-digit integer exceeds Python's int conversion limit) must pass through as written. It
-# also reads what PostgreSQL's json functions refuse to take apart ("\u0000", lone surrogates).
+# Reads a JSON string or scalar without converting numbers: a number of any size (a 5000-digit
+# integer exceeds Python's int conversion limit) passes through as written, and so do what
+# PostgreSQL's json functions refuse to take apart ("\u0000", lone surrogates).
 JSON_TEXT = json.JSONDecoder(parse_int=str, parse_float=str, parse_constant=str)
-_SPACE = re.compile(r"\s*")
+_SPACE = re.compile(r"[ \t\n\r]*")
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_SCALAR = re.compile(r'[^ \t\n\r,:\[\]{}"]+')
+# Inside a value: strings (skipped whole, whatever brackets they hold) and brackets.
+_NESTING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)
+
+
+def _skip_space(text: str, index: int) -> int:
+    return _SPACE.match(text, index).end()  # type: ignore[union-attr]
+
+
+def json_value_end(text: str, start: int) -> int:
+    """Where the JSON value starting at `start` of valid JSON text ends.
+
+    Found by counting brackets outside strings, not by decoding: no nesting depth (PostgreSQL's
+    json takes thousands of levels, Python's decoder recurses) and no number stops it."""
+    first = text[start : start + 1]
+    if first == '"' or first not in ("[", "{"):
+        match = (_STRING if first == '"' else _SCALAR).match(text, start)
+        if match is None:
+            raise ValueError(f"malformed JSON at {start}")
+        return match.end()
+    depth = 0
+    for match in _NESTING.finditer(text, start):
+        token = match.group()
+        if token[0] == '"':
+            continue
+        depth += 1 if token in ("[", "{") else -1
+        if depth == 0:
+            return match.end()
+    raise ValueError(f"unterminated JSON value at {start}")
 
 
 def json_array_elements(array_json: bytes) -> list[bytes]:
     """The text of each element of a JSON array, byte for byte."""
     text = array_json.decode()
-    index = _SPACE.match(text, 0).end()  # type: ignore[union-attr]
+    index = _skip_space(text, 0)
     if text[index : index + 1] != "[":
         raise ValueError("not a JSON array")
     parts: list[bytes] = []
-    index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+    index = _skip_space(text, index + 1)
     if text[index : index + 1] == "]":
         return parts
     while True:
-        _, end = JSON_TEXT.raw_decode(text, index)
+        end = json_value_end(text, index)
         parts.append(text[index:end].encode())
-        index = _SPACE.match(text, end).end()  # type: ignore[union-attr]
+        index = _skip_space(text, end)
         if text[index : index + 1] == "]":
             return parts
         if text[index : index + 1] != ",":
             raise ValueError(f"malformed JSON array at {index}")
-        index = _SPACE.match(text, index + 1).end()  # type: ignore[union-attr]
+        index = _skip_space(text, index + 1)
 
 
 def json_members(object_json: str) -> dict[str, str]:
-    """The text of each member's value of a JSON object, by name, exactly as written.
-
-    Python's decoder reads what PostgreSQL's json functions refuse to take apart ("\\u0000" and
-    lone surrogates, which they must de-escape), and it is only used to find where each value
-    ends: the values themselves are cut out of the text."""
-
-    def skip(index: int) -> int:
-        return _SPACE.match(object_json, index).end()  # type: ignore[union-attr]
-
-    index = skip(0)
+    """The text of each member's value of a JSON object, by name, exactly as written (the
+    values are cut out of the text, never decoded; see json_value_end)."""
+    index = _skip_space(object_json, 0)
     if object_json[index : index + 1] != "{":
         raise ValueError("not a JSON object")
     members: dict[str, str] = {}
-    index = skip(index + 1)
+    index = _skip_space(object_json, index + 1)
     if object_json[index : index + 1] == "}":
         return members
     while True:
         name, index = JSON_TEXT.raw_decode(object_json, index)
         if not isinstance(name, str):
             raise ValueError(f"malformed JSON object at {index}")
-        index = skip(index)
+        index = _skip_space(object_json, index)
         if object_json[index : index + 1] != ":":
             raise ValueError(f"malformed JSON object at {index}")
-        start = skip(index + 1)
-        _, index = JSON_TEXT.raw_decode(object_json, start)
+        start = _skip_space(object_json, index + 1)
+        index = json_value_end(object_json, start)
         members[name] = object_json[start:index]
-        index = skip(index)
+        index = _skip_space(object_json, index)
         if object_json[index : index + 1] == "}":
             return members
         if object_json[index : index + 1] != ",":
             raise ValueError(f"malformed JSON object at {index}")
-        index = skip(index + 1)
+        index = _skip_space(object_json, index + 1)
 
 
 class Failure(enum.StrEnum):

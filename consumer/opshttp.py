@@ -13,7 +13,7 @@ from aiohttp.typedefs import Middleware
 
 from consumer import adminapi
 from consumer.deadletters import DeadLetters
-from consumer.httpjson import json_response
+from consumer.httpjson import json_response, server_handler_args
 
 # Roles in which a consumer process is doing its job: leading, or standing by, ready to lead.
 READY_STATES = frozenset({"leader", "standby"})
@@ -95,7 +95,9 @@ def build_ops_app(
     middlewares: list[Middleware] = [adminapi.json_errors]
     if token:
         middlewares.append(adminapi.bearer_auth(token))
-    app = web.Application(middlewares=middlewares)
+    app = web.Application(
+        middlewares=middlewares, handler_args=server_handler_args("serversync.opshttp")
+    )
     app[HEALTH_KEY] = health
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

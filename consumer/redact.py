@@ -48,5 +48,6 @@ def printable(text: str) -> str:
 
 
 def safe_error(text: str) -> str:
-    """An error text fit to log and store: secrets masked, on one line, control characters gone."""
-    return printable(mask_secrets(text))
+    """An error text fit to log and store: secrets masked, on one line, control characters gone,
+    no space at either end."""
+    return printable(mask_secrets(text)).strip()

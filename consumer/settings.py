@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from pydantic import AliasChoices, Field, HttpUrl, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from consumer.redact import mask_secrets
@@ -17,17 +18,74 @@ class ConfigError(Exception):
     """A setting is missing or invalid; the message names the variable, fit for one line."""
 
 
+# Each shared secret's least length: `openssl rand -hex 32` gives 64 characters.
+MIN_SECRET_CHARS = 32
+# What deploy/*.env.example put in SYNC_SHARED_SECRET: a secret holding it was never replaced.
+PLACEHOLDER = "CHANGE_ME"
+# Settings whose value an error message never echoes.
+_UNECHOED = frozenset({"SYNC_SHARED_SECRET", "SYNC_ADMIN_TOKEN"})
+
+
+def _secret_list(value: str | None) -> str | None:
+    """SYNC_SHARED_SECRET checked: one secret or a comma-separated list, each at least
+    MIN_SECRET_CHARS long and not the example's placeholder; returned without the blanks
+    around each secret. The messages never quote a secret."""
+    if value is None:
+        return None
+    secrets = [part.strip() for part in value.split(",")]
+    count = len(secrets)
+    for number, secret in enumerate(secrets, 1):
+        which = "the secret" if count == 1 else f"secret {number} of {count}"
+        if not secret:
+            raise PydanticCustomError(
+                "secret_empty",
+                f"{which} is empty (one secret, or secrets separated by commas)",
+            )
+        if PLACEHOLDER.lower() in secret.lower():
+            raise PydanticCustomError(
+                "secret_placeholder",
+                f"{which} is the example's placeholder ({PLACEHOLDER}...): set a random one, "
+                "e.g. `openssl rand -hex 32`, the same on the receiver and the consumers",
+            )
+        if len(secret) < MIN_SECRET_CHARS:
+            raise PydanticCustomError(
+                "secret_too_short",
+                f"{which} is shorter than {MIN_SECRET_CHARS} characters "
+                "(e.g. `openssl rand -hex 32`)",
+            )
+    return ",".join(secrets)
+
+
 class _Base(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", case_sensitive=True, extra="ignore")
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", validation_alias="SYNC_LOG_LEVEL"
     )
+    # One secret, or several separated by commas while a secret is rotated (docs/security.md):
+    # a receiver accepts a request signed with any of them, a consumer signs with the first.
+    # Read through shared_secrets and signing_secret, never as the raw text.
+    shared_secret_list: str | None = Field(None, validation_alias="SYNC_SHARED_SECRET", repr=False)
 
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("shared_secret_list")
+    @classmethod
+    def _secrets(cls, value: str | None) -> str | None:
+        return _secret_list(value)
+
+    @property
+    def shared_secrets(self) -> tuple[str, ...]:
+        """Every secret of SYNC_SHARED_SECRET, in order; empty when it is not set."""
+        return tuple(self.shared_secret_list.split(",")) if self.shared_secret_list else ()
+
+    @property
+    def signing_secret(self) -> str | None:
+        """The secret requests are signed with: the first of SYNC_SHARED_SECRET."""
+        return self.shared_secrets[0] if self.shared_secrets else None
 
 
 class SyncSettings(_Base):
@@ -71,8 +129,8 @@ class SyncSettings(_Base):
     max_attempts: int = Field(0, ge=0, le=1000, validation_alias="SYNC_MAX_ATTEMPTS")
     # Operator retries of a parked event before it is DEAD.
     dlq_max_retries: int = Field(3, ge=0, le=1000, validation_alias="SYNC_DLQ_MAX_RETRIES")
-    # Signs every request to the receiver (HMAC-SHA256, see consumer/signing.py).
-    shared_secret: str | None = Field(None, min_length=16, validation_alias="SYNC_SHARED_SECRET")
+    # SYNC_SHARED_SECRET (in _Base): signs every request to the receiver (HMAC-SHA256, see
+    # consumer/signing.py) with its first secret.
     # The consumer process's HTTP port: /healthz, /readyz, /metrics, and the DLQ admin API
     # (off unless SYNC_ADMIN_TOKEN is set). Port 0 picks a free port (logged at start).
     http_host: str = Field("127.0.0.1", validation_alias="SYNC_HTTP_HOST")
@@ -112,8 +170,8 @@ class ReceiverSettings(_Base):
     )
     host: str = Field("127.0.0.1", validation_alias="INGEST_HOST")
     port: int = Field(8080, ge=0, le=65535, validation_alias="INGEST_PORT")
+    # SYNC_SHARED_SECRET (in _Base): requests signed with any of its secrets are accepted.
     # Without a secret the receiver only starts with --insecure (local demos).
-    shared_secret: str | None = Field(None, min_length=16, validation_alias="SYNC_SHARED_SECRET")
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024, validation_alias="INGEST_MAX_BODY_BYTES")
     # Uploaded recordings land here, as <callLogId>/<recordingId>.wav and .meta.json.
     recordings_store_dir: Path = Field(
@@ -123,6 +181,19 @@ class ReceiverSettings(_Base):
     max_recording_bytes: int = Field(
         1024 * 1024 * 1024, ge=1024, validation_alias="INGEST_MAX_RECORDING_BYTES"
     )
+    # Recording uploads streamed at once; one more is answered 503 with Retry-After (the
+    # consumer tries it again). Each holds a connection and a file being written.
+    max_concurrent_uploads: int = Field(
+        4, ge=1, le=1024, validation_alias="INGEST_MAX_CONCURRENT_UPLOADS"
+    )
+    # A recording upload whose body stops arriving for this long is abandoned (408), nothing
+    # of it kept.
+    body_idle_timeout_sec: float = Field(
+        30.0, gt=0, le=3600, validation_alias="INGEST_BODY_IDLE_TIMEOUT_SEC"
+    )
+    # Free space kept on RECORDINGS_STORE_DIR's filesystem: an upload that would leave less
+    # (counting what the uploads in flight declared) is answered 507 with Retry-After.
+    min_free_bytes: int = Field(1024 * 1024 * 1024, ge=0, validation_alias="INGEST_MIN_FREE_BYTES")
     # The base of the fileUrl answered for an upload; by default the URL the request came to.
     public_base_url: HttpUrl | None = Field(None, validation_alias="INGEST_PUBLIC_BASE_URL")
 
@@ -137,6 +208,8 @@ def _one_line(exc: ValidationError, model: type[BaseSettings]) -> str:
     name = alias if isinstance(alias, str) else field
     if error["type"] == "missing":
         return f"{name} is not set"
+    if name in _UNECHOED:
+        return f"{name}: {error['msg']}"
     given = error.get("input")
     # The value is echoed to help, but a URL may carry credentials: mask them.
     return mask_secrets(f"{name}={given!s}: {error['msg']}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ from opentelemetry.trace import Status
 from opentelemetry.util.types import Attributes, AttributeValue
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from consumer.redact import mask_secrets
+from consumer.redact import mask_secrets, printable
 
+# What starts each further line of a text record (a traceback's).
+CONTINUATION = "  | "
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
@@ -57,20 +60,55 @@ class JsonFormatter(logging.Formatter):
                 entry[key] = value if plain else mask_secrets(str(value))
         if record.exc_info:
             entry["exc"] = mask_secrets(self.formatException(record.exc_info))
-        return orjson.dumps(entry, default=str).decode()
+        try:
+            return orjson.dumps(entry, default=str).decode()
+        except orjson.JSONEncodeError:
+            # A lone surrogate (a header's bytes that were not UTF-8) is no JSON text: it
+            # becomes U+FFFD rather than losing the record.
+            return orjson.dumps(_without_surrogates(entry), default=str).decode()
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _without_surrogates(entry: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: _SURROGATE.sub("\ufffd", value) if isinstance(value, str) else value
+        for key, value in entry.items()
+    }
 
 
 class TextFormatter(logging.Formatter):
-    """Human-readable lines with secrets masked."""
+    """Human-readable lines with secrets masked, one line per record.
+
+    A message may quote what a client sent (a path, a header): every control character in it
+    (a newline from a %0a in a URL, a carriage return, an escape sequence) becomes a space, so
+    that no request can write a line of its own into the log. A traceback keeps its lines, each
+    made printable and marked with a leading "  | ", so none can pass for a record either."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
         """Render the record as text with secrets masked (and the trace id, inside a span)."""
-        line = mask_secrets(super().format(record))
+        record.message = printable(mask_secrets(record.getMessage()))
+        record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
         context = trace.get_current_span().get_span_context()
-        return f"{line} trace={context.trace_id:032x}" if context.is_valid else line
+        if context.is_valid:
+            line += f" trace={context.trace_id:032x}"
+        details = []
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            details.append(record.exc_text)
+        if record.stack_info:
+            details.append(self.formatStack(record.stack_info))
+        for text in details:
+            line += "".join(
+                f"\n{CONTINUATION}{printable(part)}" for part in mask_secrets(text).split("\n")
+            )
+        return line
 
 
 def setup_logging(level: str = "INFO", fmt: str = "json") -> None:

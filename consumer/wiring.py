@@ -9,7 +9,6 @@ import signal
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import orjson
 import psycopg
 from aiohttp import web
 from psycopg import conninfo
@@ -29,7 +28,7 @@ from consumer.settings import ConfigError, ReceiverSettings, SyncSettings
 from consumer.sinks.frontend_sync import FrontendSyncSink
 from consumer.sinks.local_recordings import RecordingsDir
 from consumer.sinks.null import NullSink
-from consumer.sinks.recording_upload import RecordingUploadSink, wants
+from consumer.sinks.recording_upload import RecordingUploadSink, wanted_recording
 from consumer.store.dlq import DlqStore
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import Leadership, OutboxStore
@@ -96,7 +95,7 @@ def make_sink(
         return FrontendSyncSink(
             settings.frontend_url,
             timeout_sec=settings.timeout_sec,
-            shared_secret=settings.shared_secret,
+            shared_secret=settings.signing_secret,
         )
     if consumer == "recording-upload":
         if pool is None:
@@ -106,7 +105,7 @@ def make_sink(
             ledger=RecordingStore(pool),
             recordings=RecordingsDir(settings.recordings_dir),
             timeout_sec=settings.timeout_sec,
-            shared_secret=settings.shared_secret,
+            shared_secret=settings.signing_secret,
             concurrency=settings.upload_concurrency,
             for_dead_letters=for_dead_letters,
         )
@@ -147,14 +146,9 @@ class RecordingParksOutbox(OutboxStore):
         if parked:
             failpoints.reach("recording-upload.after-park")
         for dead in parked:
-            try:
-                entry = orjson.loads(dead.entry_json)
-            except orjson.JSONDecodeError:
-                # Not a recording row's event (one the mark is for holds no such numbers).
+            recording_id = wanted_recording(dead.entry_json)
+            if recording_id is None:
                 continue
-            if not wants(entry):
-                continue
-            recording_id = entry["entityId"]
             try:
                 marked = await self._ledger.mark_failed(recording_id)
             except DeliveryError as exc:
@@ -395,7 +389,7 @@ async def serve_ops_http(
 
 async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = False) -> None:
     """`serversync ingest-server`: migrate the receiver's database, then serve until signalled."""
-    if not settings.shared_secret and not insecure:
+    if not settings.shared_secrets and not insecure:
         raise StartupError(
             "SYNC_SHARED_SECRET is not set: the receiver would accept writes from anyone who can "
             "reach its port; set it (the consumers need the same value) or pass --insecure for a "
@@ -408,6 +402,9 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
         settings.recordings_store_dir,
         max_bytes=settings.max_recording_bytes,
         public_base_url=str(settings.public_base_url) if settings.public_base_url else None,
+        max_concurrent_uploads=settings.max_concurrent_uploads,
+        body_idle_timeout_sec=settings.body_idle_timeout_sec,
+        min_free_bytes=settings.min_free_bytes,
     )
     try:
         await asyncio.to_thread(recordings.prepare)
@@ -420,7 +417,7 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
         app = build_app(
             EntityStore(pool),
             max_body_bytes=settings.max_body_bytes,
-            shared_secret=settings.shared_secret,
+            shared_secret=settings.shared_secrets,
             recordings=recordings,
         )
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -428,7 +425,15 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
         host, port = runner.addresses[0][:2]
-        log.info("ingest-server listening on http://%s:%d", host, port)
+        accepted = len(settings.shared_secrets)
+        log.info(
+            "ingest-server listening on http://%s:%d (%s)",
+            host,
+            port,
+            f"requests signed with any of {accepted} secret(s)"
+            if accepted
+            else "unsigned requests accepted: --insecure",
+        )
         stop = asyncio.Event()
         _install_stop_handlers(stop.set)
         try:

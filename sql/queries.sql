@@ -90,6 +90,12 @@ SET last_error = %(error)s,
     failing_reason = %(reason)s
 WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
 
+-- name: clear_failure
+-- The failing streak ended without an offset commit (a read the database refused went through).
+UPDATE sync.consumer_offsets
+SET failing_since = NULL, failing_reason = NULL
+WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
+
 -- name: release_leadership
 UPDATE sync.consumer_offsets
 SET leader_host = NULL, leader_pid = NULL, leader_since = NULL
@@ -332,26 +338,27 @@ UPDATE public.recordings
    SET upload_status = 'pending', updated_at = now()
  WHERE id = %(id)s::uuid AND upload_status = 'failed';
 
--- name: recordings_fail_parked
--- Rows left pending although the consumer parked their upload: the mark that follows the park's
--- commit was lost (a crash, the database gone for a moment). Only a message an operator has not
--- settled or taken up (PENDING, DEAD), and only a row exactly as the parked event saw it (the
--- same updated_at): a row written since is a new request, uploaded through the event that write
--- made. The id is compared as a uuid (the primary key's index), cast only when it is one.
-UPDATE public.recordings AS r
+-- name: recordings_parked
+-- The recordings uploads this consumer parked that an operator has not settled or taken up
+-- (PENDING, DEAD), with the row as the parked event saw it (read in Python, never with ->: the
+-- payload may hold what PostgreSQL's json functions refuse to de-escape).
+SELECT entity_id, payload::text
+  FROM sync.dlq_messages
+ WHERE consumer = %(consumer)s
+   AND entity_type = 'recording'
+   AND op = 'upsert'
+   AND status IN ('PENDING', 'DEAD');
+
+-- name: recording_fail_parked
+-- A row left pending although its upload was parked: the mark that follows the park's commit
+-- was lost (a crash, the database gone for a moment). Only a row exactly as the parked event saw
+-- it (the same updated_at): a row written since is a new request, uploaded through the event
+-- that write made.
+UPDATE public.recordings
    SET upload_status = 'failed', updated_at = now()
-  FROM sync.dlq_messages AS d
- WHERE d.consumer = %(consumer)s
-   AND d.entity_type = 'recording'
-   AND d.op = 'upsert'
-   AND d.status IN ('PENDING', 'DEAD')
-   AND d.payload ->> 'upload_status' = 'pending'
-   AND r.id = CASE
-                WHEN d.entity_id ~ '^[0-9a-fA-F]{8}-([0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}$'
-                THEN d.entity_id::uuid
-              END
-   AND r.upload_status = 'pending'
-   AND r.updated_at = (d.payload ->> 'updated_at')::timestamptz;
+ WHERE id = %(id)s::uuid
+   AND upload_status = 'pending'
+   AND updated_at = %(updated_at)s::timestamptz;
 
 -- name: dlq_count
 SELECT count(*)

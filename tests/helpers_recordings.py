@@ -344,24 +344,26 @@ class Receiver:
     url: str
     store: Path
     log: UploadLog
+    files: RecordingFiles
 
 
 @contextlib.asynccontextmanager
 async def recording_receiver(
-    receiver_dsn: str, store_dir: Path, *, max_bytes: int = 64 * 1024 * 1024
+    receiver_dsn: str, store_dir: Path, *, max_bytes: int = 64 * 1024 * 1024, **options: Any
 ) -> AsyncIterator[Receiver]:
     """The reference receiver app (signed, keeping recordings in store_dir) with an UploadLog
-    in front of it, on a free loopback port."""
+    in front of it, on a free loopback port; `options` go to RecordingFiles (its bounds)."""
     log = UploadLog()
+    files = RecordingFiles(store_dir, max_bytes=max_bytes, **options)
     async with serve_receiver(
         receiver_dsn,
-        recordings=RecordingFiles(store_dir, max_bytes=max_bytes),
+        recordings=files,
         shared_secret=SECRET,
         middlewares=[log.middleware()],
         shutdown_timeout=1.0,
     ) as url:
         try:
-            yield Receiver(url, store_dir, log)
+            yield Receiver(url, store_dir, log, files)
         finally:
             # Held uploads must end before the server can shut down.
             await log.release()

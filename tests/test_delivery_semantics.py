@@ -528,3 +528,82 @@ async def test_fault_drill_outage_wrong_secret_and_redirect_lose_and_park_nothin
     assert sum(right.applied) == len(outbox)
     row = await status_json(backend_dsn)
     assert row["failing_since"] is None and row["last_error"] is None, row
+
+
+# -- what the review of these semantics found ------------------------------------------------------
+
+
+async def test_a_lead_lost_while_waiting_out_a_retry_after_is_noticed_at_once(
+    backend_dsn: str,
+) -> None:
+    """A receiver that says "come back in an hour": if the lock session dies meanwhile, the
+    process stops calling itself the leader within the lock check, not an hour later."""
+    await insert_calls(backend_dsn, 1, tag="hour")
+    async with (
+        serve_scripted_receiver(answers(503, 1, **{"Retry-After": "3600"})) as rx,
+        consuming(backend_dsn, rx.url) as runtime,
+    ):
+        await wait_until(lambda: len(rx.attempts) == 1, what="the first attempt")
+        await wait_until(lambda: runtime.stats.failing_since is not None, what="the streak")
+        await execute(
+            backend_dsn,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name LIKE 'serversync:leader:frontend-sync:%'",
+        )
+        await wait_until(
+            lambda: runtime.stats.state != "leader" or runtime.stats.takeovers > 1,
+            timeout=10,
+            what="the lost lead to be noticed",
+        )
+        # Whoever leads now reports its own streak, not the one of the lead that was lost.
+        assert runtime.delivery_health()["state"] in ("not_leading", "ok"), runtime.stats
+
+
+async def test_a_read_the_database_refused_once_leaves_no_failing_streak_behind(
+    backend_dsn: str, receiver_url: str
+) -> None:
+    """An idle consumer whose read the database refused (here: the outbox renamed away for a
+    moment) reports the streak while it lasts and clears it once the read goes through, in
+    /readyz and in the database, although no offset commit follows."""
+    async with running_consumer(make_settings(backend_dsn, receiver_url)) as runtime:
+        await wait_until(lambda: runtime.stats.sleeping == "wakeup", what="the consumer idle")
+        await execute(backend_dsn, "ALTER TABLE sync.events_outbox RENAME TO events_outbox_away")
+        try:
+            runtime.listener.event.set()  # type: ignore[union-attr]
+            await wait_until(
+                lambda: runtime.stats.failing_reason == Failure.INTERNAL, what="a refused read"
+            )
+            assert (
+                await fetch_value(backend_dsn, "SELECT failing_reason FROM sync.consumer_offsets")
+                == "internal_error"
+            )
+        finally:
+            await execute(
+                backend_dsn, "ALTER TABLE sync.events_outbox_away RENAME TO events_outbox"
+            )
+        await wait_until(lambda: runtime.stats.failing_since is None, what="the streak to end")
+        assert runtime.delivery_health() == {"state": "ok"}
+        assert await fetch_value(
+            backend_dsn, "SELECT failing_since IS NULL FROM sync.consumer_offsets"
+        )
+        await insert_calls(backend_dsn, 2, tag="afterwards")
+        await wait_until(lambda: caught_up(backend_dsn), what="delivery afterwards")
+
+
+@pytest.mark.parametrize("header", ["²", "Fri, 31 Dec 9999 23:59:59 GMT", "soon"])
+async def test_an_odd_retry_after_on_a_refusal_still_parks_the_refused_event(
+    backend_dsn: str, header: str
+) -> None:
+    """Retry-After counts only on 429 and 503; on a refusal, whatever it says (a digit that is
+    not ASCII, a date far away, junk) neither holds the stream nor crashes the consumer."""
+    await insert_calls(backend_dsn, 2, tag="odd")
+
+    def script(attempt: Attempt) -> Reply | None:
+        if "odd-1" in attempt.callers:
+            return Reply(422, {"error": {"code": "NO"}}, {"Retry-After": header})
+        return None
+
+    async with serve_scripted_receiver(script) as rx, consuming(backend_dsn, rx.url) as runtime:
+        await wait_until(lambda: caught_up(backend_dsn), what="the stream past the refusal")
+    assert runtime.stats.parked_events == 1
+    assert [p.caller for p in await dlq(backend_dsn)] == ["odd-1"]

@@ -18,7 +18,7 @@ import pytest
 from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
-from consumer.settings import ReceiverSettings, SyncSettings, load
+from consumer.settings import ConfigError, ReceiverSettings, SyncSettings, load
 
 # The metrics every consumer process exports on GET /metrics (Prometheus names, as written by the
 # OpenTelemetry Prometheus exporter). The dashboard and the alert rules may name only these (and a
@@ -313,6 +313,8 @@ def aliases(model: type[BaseSettings]) -> dict[str, str]:
     return names
 
 
+# What an operator puts in place of the examples' placeholder secret.
+REPLACED = {"SYNC_SHARED_SECRET": "0123456789abcdef" * 4}
 ENV_EXAMPLES: list[tuple[str, type[BaseSettings], frozenset[str], dict[str, str]]] = [
     (
         "serversync.env.example",
@@ -351,8 +353,11 @@ def test_env_example_lists_every_setting_with_its_default(
         else:
             value = getattr(load(model, **required, **{variable: shown}), field)
             assert value == default, f"#{variable}={shown} but the default is {default!r}"
-    # What the example sets is a valid configuration.
-    load(model, **{**required, **active})
+    # What the example sets is a valid configuration once its placeholder secret is replaced;
+    # left in, the placeholder is refused at start.
+    with pytest.raises(ConfigError, match=r"^SYNC_SHARED_SECRET: the secret is the example's"):
+        load(model, **{**required, **active})
+    load(model, **{**required, **active, **REPLACED})
 
 
 def test_consumer_examples_and_units_agree() -> None:
@@ -367,7 +372,7 @@ def test_consumer_examples_and_units_agree() -> None:
     for instance in INSTANCES:
         own, _ = env_example(DEPLOY / "instances" / f"{instance}.env.example")
         ports[instance] = int(own["SYNC_HTTP_PORT"])
-        load(SyncSettings, **active, **own)
+        load(SyncSettings, **{**active, **REPLACED, **own})
     assert len(set(ports.values())) == len(INSTANCES), f"two consumers, one port: {ports}"
     assert ports["frontend-sync"] == SyncSettings.model_fields["http_port"].default
 

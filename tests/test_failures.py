@@ -66,8 +66,8 @@ from tests.helpers_processes import insert_calls, outbox_end
 
 RETRY_INITIAL = 0.05
 RETRY_MAX = 0.4
-SECRET = "s3cret-shared-by-both-sides"  # noqa: S105 - a test secret
-WRONG_SECRET = "not-the-receivers-secret"  # noqa: S105 - a test secret
+SECRET = "s3cret-shared-by-both-sides-0123456789"  # noqa: S105 - a test secret
+WRONG_SECRET = "not-the-receivers-secret-0123456789"  # noqa: S105 - a test secret
 
 
 @contextlib.asynccontextmanager
@@ -550,7 +550,7 @@ def _badly_signed(case: str, body: bytes) -> tuple[bytes, dict[str, str]]:
     if case == "no-timestamp":
         return body, {sig: good[sig]}
     if case == "wrong-secret":
-        return body, signing.sign("another-secret-of-16+", body)
+        return body, signing.sign("another-secret-of-32-characters-or-more", body)
     if case == "tampered-signature":
         flipped = good[sig][:-1] + ("0" if good[sig][-1] != "0" else "1")
         return body, {ts: good[ts], sig: flipped}

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from consumer.events import DeadLetter, Position
 from consumer.redact import safe_error
+from consumer.sinks.recording_upload import wanted_recording
 from consumer.store.dlq import DlqStore
 from consumer.store.outbox import OutboxStore
 from consumer.wiring import consumer_runtime, open_pool, serve_ops_http
@@ -293,7 +294,7 @@ async def test_parking_takes_any_entry_and_any_error_text(backend_dsn: str) -> N
         assert f',"payload":{payload},'.encode() in claimed.batch.entries_json
         failed = await store_dlq.mark_failed(message_id, "HTTP_422\x00", message)
     assert (failed.status, failed.retry_count) == ("PENDING", 1)
-    assert (failed.error_code, failed.error_message) == ("HTTP_422 ", safe_error(message))
+    assert (failed.error_code, failed.error_message) == ("HTTP_422", safe_error(message))
     assert failed.payload == payload
 
 
@@ -328,6 +329,31 @@ async def test_the_receiver_stores_numbers_of_any_size_exactly(
     assert await fetch_all(receiver_dsn, STORED_NUMBERS, (*NUMBER_TEXTS, "n-1")) == [
         (True, True, True)
     ]
+
+
+@pytest.mark.parametrize(
+    ("seq", "status", "stored"),
+    [
+        ("8444.0", 200, 8444),
+        ("8.444e3", 200, 8444),
+        ("8444", 200, 8444),
+        ("8444.5", 422, None),
+        ("true", 422, None),
+        ('"8444"', 422, None),
+        ("0", 422, None),
+        ("9.3e18", 422, None),
+    ],
+)
+async def test_the_receivers_seq_is_a_json_integer_however_it_is_written(
+    receiver_dsn: str, receiver_url: str, seq: str, status: int, stored: int | None
+) -> None:
+    """A JSON Schema integer is any number with a zero fraction: 8444.0 is seq 8444, as the
+    API document allows. Fractions, booleans, strings and values a bigint cannot hold are not."""
+    body = '{"entries":[' + wire_entry("s-1", 1, "{}").replace('"seq":1', f'"seq":{seq}') + "]}"
+    answered, _ = await post_raw(receiver_url, body.encode())
+    assert answered == status
+    rows = await fetch_all(receiver_dsn, "SELECT seq FROM ingest.entities")
+    assert rows == ([(stored,)] if stored is not None else [])
 
 
 async def test_a_consumer_delivers_numbers_of_any_size_to_the_receiver_exactly(
@@ -438,3 +464,53 @@ async def test_cli_dlq_list_and_show_print_numbers_of_any_size(
         assert line in payload, payload
     # Laid out on lines, and the same JSON as stored.
     assert exact(payload) == exact(p.stored)
+
+
+# -- nesting deeper than Python's decoder goes ---------------------------------------------------
+
+# PostgreSQL's json takes this; Python's json module (and orjson, at 1024) recurse no deeper than
+# about a thousand levels.
+DEEP_DOC = '{"deep": ' + "[" * 1400 + "]" * 1400 + "}"
+
+
+async def test_a_payload_nested_too_deep_to_decode_is_parked_and_delivery_goes_on(
+    backend_dsn: str, receiver_dsn: str
+) -> None:
+    """The reference receiver refuses it with a 4xx (never a 500 that would hold the stream for
+    ever), the batch is split without decoding it, the entry is parked byte for byte, and the
+    rows around it are delivered."""
+    await track_docs(backend_dsn)
+    await insert_docs(backend_dsn, (1, '{"fine": 1}'), (2, DEEP_DOC), (3, '{"fine": 3}'))
+    async with (
+        serve_receiver(receiver_dsn) as url,
+        running_consumer(make_settings(backend_dsn, url)) as runtime,
+    ):
+        await wait_caught_up(backend_dsn)
+        assert runtime.stats.parked_events == 1
+    delivered = await fetch_all(
+        receiver_dsn, "SELECT entity_id FROM ingest.entities WHERE entity_type = 'doc' ORDER BY 1"
+    )
+    assert delivered == [("1",), ("3",)]
+    outbox = await outbox_docs(backend_dsn)
+    parked = await fetch_all(
+        backend_dsn, "SELECT entity_id, seq, payload::text, error_code FROM sync.dlq_messages"
+    )
+    assert [(r[0], r[1], r[2]) for r in parked] == [("2", *outbox["2"])]
+    assert parked[0][3].startswith("HTTP_4"), parked
+
+
+def test_recording_upload_reads_past_events_it_cannot_decode() -> None:
+    """Every event passes through recording-upload; those of other tables with a number no
+    double holds or a nesting too deep to decode are not its business, and never stop it."""
+    odd = [
+        b'{"entityType":"doc","entityId":"1","op":"upsert","seq":1,"payload":' + p.encode() + b"}"
+        for p in (NUMBERS_DOC, DEEP_DOC, LONE_DOC)
+    ]
+    assert [wanted_recording(entry) for entry in odd] == [None, None, None]
+    pending = (
+        b'{"entityType":"recording","entityId":"r-1","op":"upsert","seq":2,'
+        b'"payload":{"huge":1.8e308,"upload_status":"pending"}}'
+    )
+    uploaded = pending.replace(b'"pending"', b'"uploaded"')
+    assert wanted_recording(pending) == "r-1"
+    assert wanted_recording(uploaded) is None

@@ -1,6 +1,8 @@
 """The receiver's recording files over real HTTP on loopback: POST /api/ingest/recording-file
-(validation, signatures over the digests, idempotency by recordingId, atomic storage, nothing
-kept from a refused or broken upload) and GET/HEAD of the stored file with Range."""
+(validation, the signed manifest, idempotency by recordingId, atomic storage, nothing kept from a
+refused or broken upload) and GET/HEAD of the stored file with Range. The upload's guards (the
+manifest checked before the body, the bounds, symlinks in the store) are in
+test_recording_receiver_guards.py."""
 
 from __future__ import annotations
 
@@ -21,14 +23,15 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from multidict import CIMultiDict
 from yarl import URL
 
 from consumer.receiver.recordings import RecordingFiles
 from consumer.signing import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
-    recording_file_message,
-    sign,
+    RecordingManifest,
+    manifest_headers,
 )
 from tests.conftest import Databases, serve_receiver, wait_until
 from tests.helpers_recordings import SECRET, wav_bytes
@@ -72,17 +75,24 @@ class Upload:
             ("meta", self.meta, "application/json", "meta.json"),
         ]
 
+    def manifest(self, *, audio: bytes | None = None) -> RecordingManifest:
+        """What the sender declares: the ids, and each file's size and SHA-256 (the audio's of
+        `audio` if given)."""
+        declared = self.audio if audio is None else audio
+        return RecordingManifest(
+            self.call_log_id,
+            self.recording_id,
+            len(declared),
+            _sha256(declared),
+            len(self.meta),
+            _sha256(self.meta),
+        )
+
     def signed(
         self, secret: str = SECRET, *, audio: bytes | None = None, now: float | None = None
     ) -> dict[str, str]:
-        """Signature headers over the ids and the digests (of `audio` if given)."""
-        message = recording_file_message(
-            self.call_log_id,
-            self.recording_id,
-            _sha256(self.audio if audio is None else audio),
-            _sha256(self.meta),
-        )
-        return sign(secret, message, now=now)
+        """The manifest header (of `audio` if given) and the signature headers over it."""
+        return manifest_headers(secret, self.manifest(audio=audio), now=now)
 
     @property
     def where(self) -> str:
@@ -192,6 +202,7 @@ class Receiver:
 
     url: str
     root: Path
+    files: RecordingFiles
 
     @property
     def incoming(self) -> Path:
@@ -205,12 +216,18 @@ class Receiver:
 
 @contextlib.asynccontextmanager
 async def receiver(
-    receiver_dsn: str, root: Path, *, secret: str | None, max_bytes: int = 64 * 1024 * 1024
+    receiver_dsn: str,
+    root: Path,
+    *,
+    secret: str | None,
+    max_bytes: int = 64 * 1024 * 1024,
+    **options: Any,
 ) -> AsyncIterator[Receiver]:
-    """The reference receiver keeping recordings in `root` (signed when `secret` is given)."""
-    files = RecordingFiles(root, max_bytes=max_bytes)
+    """The reference receiver keeping recordings in `root` (signed when `secret` is given);
+    `options` go to RecordingFiles (its bounds)."""
+    files = RecordingFiles(root, max_bytes=max_bytes, **options)
     async with serve_receiver(receiver_dsn, recordings=files, shared_secret=secret) as url:
-        yield Receiver(url, root)
+        yield Receiver(url, root, files)
 
 
 @pytest.fixture
@@ -285,6 +302,63 @@ async def test_a_signed_upload_is_kept_atomically_and_served_with_range(signed: 
         async with session.get(file_url, headers={"If-None-Match": etag}) as response:
             assert response.status == 304
             assert await response.read() == b""
+
+
+async def test_conditional_requests_and_if_range_answer_304_412_200_or_206(
+    signed: Receiver,
+) -> None:
+    recording = Upload(audio=wav_bytes(seconds=0.5))
+    size = len(recording.audio)
+    async with aiohttp.ClientSession() as client:
+        status, reply = await upload(client, signed.url, recording, headers=recording.signed())
+        assert status == 200, reply
+        file_url = reply["fileUrl"]
+        async with client.get(file_url) as response:
+            etag, modified = response.headers["ETag"], response.headers["Last-Modified"]
+        long_ago = "Mon, 01 Jan 2001 00:00:00 GMT"
+
+        async def get(**headers: str) -> tuple[int, CIMultiDict[str], bytes]:
+            async with client.get(file_url, headers=headers) as response:
+                return response.status, response.headers.copy(), await response.read()
+
+        for headers in (
+            {"If-None-Match": etag},
+            {"If-None-Match": "*"},
+            {"If-Modified-Since": modified},
+        ):
+            status, answered, body = await get(**headers)
+            assert (status, body) == (304, b""), headers
+            assert answered["ETag"] == etag
+        for headers in ({"If-None-Match": '"other"'}, {"If-Modified-Since": long_ago}):
+            assert (await get(**headers))[0] == 200, headers
+        for headers in ({"If-Match": '"other"'}, {"If-Unmodified-Since": long_ago}):
+            status, answered, body = await get(**headers)
+            assert (status, body, answered["Content-Length"]) == (412, b"", "0"), headers
+        assert (await get(**{"If-Match": etag}))[0] == 200
+        # If-Range: the range when the validator names this version, else the whole file.
+        for validator, status, data in (
+            (etag, 206, recording.audio[:10]),
+            (modified, 206, recording.audio[:10]),
+            ('"other"', 200, recording.audio),
+            (long_ago, 200, recording.audio),
+        ):
+            answered_status, answered, body = await get(
+                Range="bytes=0-9", **{"If-Range": validator}
+            )
+            assert (answered_status, body) == (status, data), validator
+            if status == 206:
+                assert answered["Content-Range"] == f"bytes 0-9/{size}"
+        for malformed in ("bytes=9-0", "lines=0-9", "bytes=-"):
+            status, answered, body = await get(Range=malformed)
+            assert (status, answered["Content-Range"], body) == (416, f"bytes */{size}", b"")
+        async with client.head(file_url, headers={"Range": "bytes=10-19"}) as response:
+            assert response.status == 206
+            assert response.headers["Content-Length"] == "10"
+            assert await response.read() == b""
+        # The upload route takes POST only.
+        async with client.get(f"{signed.url}{UPLOAD}") as response:
+            assert response.status == 405
+            assert response.headers["Allow"] == "POST"
 
 
 async def test_unknown_and_malformed_paths_are_404_and_never_leave_the_store(
@@ -479,6 +553,7 @@ BAD_PARTS = [
         "recordingId",
         id="rec-traversal",
     ),
+    pytest.param(_with("audio", b""), 422, "INGEST_VALIDATION_ERROR", "audio", id="audio-empty"),
     pytest.param(
         _with("audio", b"hello", "text/plain"),
         415,
@@ -668,6 +743,7 @@ async def test_a_chunked_upload_within_the_limit_is_kept(validating: Receiver) -
     "headers",
     [
         pytest.param(lambda up: {}, id="unsigned"),
+        pytest.param(lambda up: {**up.signed(), TIMESTAMP_HEADER: ""}, id="empty-timestamp"),
         pytest.param(
             lambda up: {TIMESTAMP_HEADER: str(int(time.time()))}, id="no-signature-header"
         ),
@@ -724,23 +800,26 @@ def _mangled(up: Upload) -> tuple[Upload, dict[str, str]]:
 
 
 @pytest.mark.parametrize(
-    "tamper",
+    ("tamper", "field"),
     [
-        pytest.param(_other_audio, id="other-audio"),
-        pytest.param(_other_meta, id="other-meta"),
-        pytest.param(_other_recording, id="other-recording-id"),
-        pytest.param(_other_call, id="other-call-log-id"),
-        pytest.param(_wrong_secret, id="wrong-secret"),
-        pytest.param(_mangled, id="mangled-signature"),
+        # A part that is not the manifest's is named; a signature that does not match is not.
+        pytest.param(_other_audio, "audio", id="other-audio"),
+        pytest.param(_other_meta, "meta", id="other-meta"),
+        pytest.param(_other_recording, "recordingId", id="other-recording-id"),
+        pytest.param(_other_call, "callLogId", id="other-call-log-id"),
+        pytest.param(_wrong_secret, None, id="wrong-secret"),
+        pytest.param(_mangled, None, id="mangled-signature"),
     ],
 )
 async def test_a_signature_over_something_else_is_401_and_nothing_is_kept(
-    signed: Receiver, tamper: Callable[[Upload], tuple[Upload, dict[str, str]]]
+    signed: Receiver,
+    tamper: Callable[[Upload], tuple[Upload, dict[str, str]]],
+    field: str | None,
 ) -> None:
     sent, headers = tamper(Upload(audio=noise(200_000)))
     async with aiohttp.ClientSession() as session:
         got = await upload(session, signed.url, sent, headers=headers)
-    assert_error(got, 401, "INGEST_UNAUTHORIZED")
+    assert_error(got, 401, "INGEST_UNAUTHORIZED", field)
     assert kept(signed.root) == NOTHING
 
 

@@ -60,6 +60,7 @@ from tests.helpers_recordings import (
     write_large_wav,
 )
 from tests.test_cli import assert_one_line_error
+from tests.test_recording_receiver import Upload, audio_offset, held_back, multipart, post
 
 AFTER_UPLOAD = "recording-upload.after-upload=kill"
 AFTER_MARK = "recording-upload.after-mark=kill"
@@ -869,3 +870,70 @@ async def test_a_receiver_in_trouble_is_retried_and_nothing_is_deleted_on_its_wo
     assert_kept_once(store, recording)
     dead = await parked(backend_dsn)
     assert dead == {}
+
+
+async def test_a_receiver_busy_or_short_of_disk_space_is_retried_and_nothing_is_parked(
+    backend_dsn: str, receiver_dsn: str, tmp_path: Path
+) -> None:
+    # The receiver's own bounds: 503 while its upload slots are taken, 507 while its disk is
+    # short. Both are passing trouble: tried again after the receiver's Retry-After, the row
+    # pending and the local copy kept meanwhile, nothing parked.
+    local, store = dirs(tmp_path)
+    async with recording_receiver(
+        receiver_dsn,
+        store,
+        max_concurrent_uploads=1,
+        busy_retry_after_sec=1,
+        full_retry_after_sec=1,
+    ) as receiver:
+        # Another upload takes the only slot, its body held halfway.
+        other = Upload(audio=os.urandom(MIB))
+        body, content_type = await multipart(other.parts())
+        half = audio_offset(body, other) + MIB // 2
+        release = asyncio.Event()
+        async with aiohttp.ClientSession() as client:
+            occupant = asyncio.create_task(
+                post(
+                    client,
+                    receiver.url,
+                    held_back(body[:half], release, body[half:]),
+                    content_type=content_type,
+                    headers=other.signed(),
+                )
+            )
+            try:
+                await wait_until(lambda: receiver.files.uploading == 1, what="the slot taken")
+                recording = await make_recording(backend_dsn, local)
+                rid = recording.recording_id
+                settings = upload_settings(backend_dsn, receiver.url, local)
+                async with running_consumer(settings, CONSUMER) as runtime:
+                    await wait_until(
+                        lambda: (
+                            receiver.log.statuses(rid)[:1] == [503] and runtime.stats.retries >= 1
+                        ),
+                        what="the upload answered 503 and retried",
+                    )
+                    assert await recording_row(backend_dsn, rid) == ("pending", None)
+                    # The disk runs short, then the slot is given back.
+                    receiver.files.min_free_bytes = 2**62
+                    release.set()
+                    status, reply = await occupant
+                    assert status == 200, reply
+                    await wait_until(
+                        lambda: 507 in receiver.log.statuses(rid), what="the upload answered 507"
+                    )
+                    assert await recording_row(backend_dsn, rid) == ("pending", None)
+                    assert (recording.folder / "mixed.wav").read_bytes() == recording.audio
+                    assert await parked(backend_dsn) == {}
+                    receiver.files.min_free_bytes = 0
+                    await wait_uploaded(backend_dsn, rid)
+                    await wait_offset_at_end(backend_dsn)
+                    assert runtime.stats.parked_events == 0
+            finally:
+                release.set()
+                await asyncio.gather(occupant, return_exceptions=True)
+        answered = receiver.log.statuses(rid)
+        shape = [s for n, s in enumerate(answered) if n == 0 or answered[n - 1] != s]
+        assert shape == [503, 507, 200], answered
+        assert_kept_once(store, recording)
+    assert await parked(backend_dsn) == {}

@@ -73,7 +73,7 @@ async def test_upgrading_to_the_lean_outbox_keeps_every_event_and_its_order(
     monkeypatch.undo()
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         applied = await migrations.migrate(conn, ["backend"])
-    assert [m.version for m in applied] == ["0006", "0007", "0008", "0009", "0010", "0011"]
+    assert [m.version for m in applied] == ["0006", "0007", "0008", "0009", "0010", "0011", "0012"]
 
     assert await fetch_all(dsn, OUTBOX + " ORDER BY o.txid, o.seq") == written
     constraints = await fetch_all(

@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import psycopg
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
 from consumer import signing
-from consumer.httpjson import error_response, json_response
+from consumer.httpjson import (
+    error_response,
+    http_error_response,
+    json_response,
+    server_handler_args,
+)
 from consumer.instruments import tracer
+from consumer.receiver.guards import refusal_before_body
 from consumer.receiver.models import INGEST_REQUEST, describe, parse_body
 from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles, add_routes
 from consumer.receiver.store import EntityStore
+from consumer.redact import printable
 
 log = logging.getLogger("serversync.receiver")
+
+INGEST_PREFIX = "/api/ingest/"
+SYNC_PATH = "/api/ingest/sync"
 
 STORE_KEY = web.AppKey("store", EntityStore)
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
@@ -37,9 +48,18 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, f"HTTP_{exc.status}", exc.reason)
+        return http_error_response(exc, f"HTTP_{exc.status}")
+    except ConnectionResetError:
+        # The client went away mid-body: nothing was applied, and the answer reaches no one.
+        log.info("%s %s: the client disconnected mid-body", request.method, printable(request.path))
+        return error_response(400, "INGEST_INCOMPLETE_BODY", "the client disconnected mid-body")
+    except HttpProcessingError as exc:
+        # A body aiohttp cannot read to its end (a broken chunked encoding, ...).
+        reason = " ".join(printable(exc.message).split())
+        log.info("%s %s: unreadable body: %s", request.method, printable(request.path), reason)
+        return error_response(400, "INGEST_BAD_BODY", f"unreadable body: {reason}")
     except Exception:
-        log.exception("unhandled error in %s %s", request.method, request.path)
+        log.exception("unhandled error in %s %s", request.method, printable(request.path))
         return error_response(500, "INGEST_INTERNAL_ERROR", "internal error")
 
 
@@ -78,7 +98,7 @@ async def ingest_sync(request: web.Request) -> web.Response:
         "applied %d of %d entries (key %s)",
         applied,
         received,
-        request.headers.get("Idempotency-Key", "-"),
+        printable(request.headers.get("Idempotency-Key", "-"))[:200],
     )
     return json_response(
         {"ok": True, "received": received, "applied": applied, "stale": received - applied}
@@ -114,47 +134,89 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
         return response
 
 
-def signature_check(secret: str) -> Middleware:
-    """Refuse (401, nothing written) ingest requests not signed with the shared secret."""
+def ingest_guard(secrets: Sequence[str], max_body_bytes: int) -> Middleware:
+    """Every /api/ingest/ request but the recording upload: refused from its headers alone
+    (guards.refusal_before_body: unsigned or stale 401, compressed 415, declared too large 413)
+    before its body is read; then, with `secrets`, refused (401, nothing written) unless the
+    body is signed with one of them."""
 
     @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        # A recording upload is streamed and checks its own signature, over its digests.
-        if request.path.startswith("/api/ingest/") and request.path != UPLOAD_PATH:
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # A recording upload is streamed and makes its own checks, its signature over digests.
+        if not request.path.startswith(INGEST_PREFIX) or request.path == UPLOAD_PATH:
+            return await handler(request)
+        if isinstance(request.match_info.http_exception, web.HTTPMethodNotAllowed):
+            # A method the route does not take: its 405 (with Allow) says so, and no body is
+            # read for it either.
+            return await handler(request)
+        refused = refusal_before_body(request, secrets=secrets, max_body_bytes=max_body_bytes)
+        if refused is not None:
+            return refused
+        if secrets:
             body = await request.read()  # aiohttp keeps it for the handler
             problem = signing.verify(
-                secret,
+                secrets,
                 request.headers.get(signing.TIMESTAMP_HEADER),
                 request.headers.get(signing.SIGNATURE_HEADER),
                 body,
             )
             if problem is not None:
-                log.warning("refused unsigned or badly signed %s: %s", request.path, problem)
+                log.warning("refused %s %s: %s", request.method, printable(request.path), problem)
                 return error_response(401, "INGEST_UNAUTHORIZED", problem)
         return await handler(request)
 
-    return check
+    return guard
+
+
+def expect_guard(
+    secrets: Sequence[str], max_body_bytes: int
+) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """The answer to `Expect: 100-continue`: the refusal when the headers alone refuse the
+    request (the client then never sends the body), else 100 Continue. aiohttp's own answer
+    would invite every body before any middleware has looked at the headers."""
+
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        refused = refusal_before_body(request, secrets=secrets, max_body_bytes=max_body_bytes)
+        if refused is not None:
+            return refused
+        if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
+            return error_response(
+                417, "HTTP_417", "the only expectation accepted is Expect: 100-continue"
+            )
+        if request.version == HttpVersion11:
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            # What follows is the answer itself: aiohttp counts its bytes from here.
+            request.writer.output_size = 0
+        return None
+
+    return expect
 
 
 def build_app(
     store: EntityStore,
     *,
     max_body_bytes: int,
-    shared_secret: str | None = None,
+    shared_secret: str | Sequence[str] | None = None,
     recordings: RecordingFiles | None = None,
 ) -> web.Application:
-    """The receiver's aiohttp application; without `shared_secret` it accepts unsigned requests
+    """The receiver's aiohttp application; `shared_secret`: one secret, or the secrets accepted
+    while one is rotated. Without one it accepts unsigned requests
     (the CLI allows that only with --insecure). With `recordings` it also takes recording
     uploads and serves them."""
-    middlewares: list[Middleware] = [traced, json_errors]
-    if shared_secret:
-        middlewares.append(signature_check(shared_secret))
-    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+    secrets = (shared_secret,) if isinstance(shared_secret, str) else tuple(shared_secret or ())
+    middlewares: list[Middleware] = [traced, json_errors, ingest_guard(secrets, max_body_bytes)]
+    app = web.Application(
+        client_max_size=max_body_bytes,
+        middlewares=middlewares,
+        handler_args=server_handler_args("serversync.receiver"),
+    )
     app[STORE_KEY] = store
     app[MAX_BODY_KEY] = max_body_bytes
-    app.router.add_post("/api/ingest/sync", ingest_sync)
+    app.router.add_post(
+        SYNC_PATH, ingest_sync, expect_handler=expect_guard(secrets, max_body_bytes)
+    )
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if recordings is not None:
-        add_routes(app, recordings, shared_secret)
+        add_routes(app, recordings, secrets)
     return app

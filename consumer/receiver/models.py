@@ -28,9 +28,24 @@ ENTITY_TYPE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$"
 TIMESTAMP_PATTERN = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|z|[+-]\d{2}(:?\d{2})?)$"
 
 
+MAX_SEQ = 2**63 - 1
+
+
 def _json_object(value: object) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("must be a JSON object")
+    return value
+
+
+def _seq(value: object) -> int:
+    """A JSON integer from 1 to a bigint's maximum. Written as 8444.0 it is the same number (a
+    JSON Schema integer is any number with a zero fraction); 8444.5, true and "8444" are not."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be an integer")
+    if not 1 <= value <= MAX_SEQ:
+        raise ValueError(f"must be between 1 and {MAX_SEQ}")
     return value
 
 
@@ -43,7 +58,7 @@ class Entry(TypedDict):
     entityId: Annotated[str, StringConstraints(min_length=1, max_length=512)]
     op: Literal["upsert", "delete"]
     # A bigint in the receiver's store (and in the outbox): larger values are a bad field.
-    seq: Annotated[int, Field(ge=1, le=2**63 - 1, strict=True)]
+    seq: Annotated[int, PlainValidator(_seq)]
     payload: Annotated[dict[str, Any], PlainValidator(_json_object)]
     createdAt: NotRequired[Annotated[str, StringConstraints(pattern=TIMESTAMP_PATTERN)] | None]
 
@@ -89,6 +104,10 @@ def parse_body(body: bytes) -> Any:
             )
         except ValueError:
             raise refused from None
+        except RecursionError:
+            # Nested deeper than this receiver validates (PostgreSQL's json takes more): a
+            # refusal of this content, never a 500.
+            raise ValueError("nested too deeply to validate") from None
 
 
 def describe(exc: ValidationError) -> tuple[str, str]:

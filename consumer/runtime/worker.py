@@ -158,6 +158,8 @@ class ConsumerRuntime:
         """Whether deliveries go through, for /readyz: {"state": "ok"}, "not_leading", or
         "delivery_failing" with the reason, for how long and the last error."""
         stats = self.stats
+        if not stats.is_leader:
+            return {"state": "not_leading"}
         if stats.failing_since is not None and stats.failing_reason is not None:
             return {
                 "state": "delivery_failing",
@@ -165,7 +167,7 @@ class ConsumerRuntime:
                 "failing_seconds": round(time.time() - stats.failing_since, 3),
                 "last_error": stats.last_error,
             }
-        return {"state": "ok" if stats.is_leader else "not_leading"}
+        return {"state": "ok"}
 
     def request_stop(self) -> None:
         """Ask the loop to finish (what SIGTERM/SIGINT do); the one way to stop it."""
@@ -205,7 +207,9 @@ class ConsumerRuntime:
                         raise
                     log.info("consumer %s: database unreachable while stopping", self.consumer)
                 finally:
-                    # Lead lost or given up: competing again (or stopping) from here on.
+                    # Lead lost or given up: competing again (or stopping) from here on. A
+                    # failing streak was this lead's: the next leader reports its own.
+                    self.stats.recover()
                     self.stats.state = "standby"
                     instruments.LEADER.set(0, self._labels)
                     await self._teardown("releasing the leader lock", self.lock.release)
@@ -599,14 +603,21 @@ class ConsumerRuntime:
                 time.time() - since,
                 extra={"consumer": self.consumer, "reason": failure.value},
             )
-            with contextlib.suppress(psycopg.Error):
-                await self._bounded_by_stop(
-                    functools.partial(
-                        self.store.record_failure, self.consumer, epoch, str(error), failure.value
-                    )
-                )
-            if not await self._sleep_unless_stopped(delay):
+            await self._report_failure(str(error), failure)
+            if not await self._wait_before_retry(delay):
                 return None
+
+    async def _wait_before_retry(self, delay: float) -> bool:
+        """Sleep `delay` seconds before the next attempt; False if a stop came first. A lead
+        lost meanwhile raises at once: a Retry-After of an hour must not leave a process that
+        no longer leads reporting itself the leader."""
+        lost = self._lost_signal
+        assert lost is not None, "deliveries run only while leading"
+        await asyncio.wait(
+            {self._stopping(), lost}, timeout=delay, return_when=asyncio.FIRST_COMPLETED
+        )
+        self._raise_if_lost()
+        return not self.stop_event.is_set()
 
     async def _park_refused(
         self, batch: Batch, epoch: int, error: DeliveryError, attempts: int
@@ -751,9 +762,10 @@ class ConsumerRuntime:
         steps in.
         """
         backoff = Backoff(0.2, 10.0)
+        refused = False
         while True:
             try:
-                return await self._bounded_by_stop(op)
+                result = await self._bounded_by_stop(op)
             except psycopg.OperationalError as exc:
                 if self.stop_event.is_set():
                     raise
@@ -766,8 +778,11 @@ class ConsumerRuntime:
                     delay,
                 )
             except psycopg.Error as exc:
-                if not batch or self.stop_event.is_set():
+                if not batch:
                     raise
+                if self.stop_event.is_set():
+                    # Stopping: the step is abandoned like any other on shutdown.
+                    raise psycopg.OperationalError("database step abandoned on shutdown") from exc
                 self._raise_if_lost()
                 delay = max(backoff.next_delay(), self.config.retry_initial)
                 error = safe_error(f"{type(exc).__name__}: {_one_line(exc)}")
@@ -784,7 +799,31 @@ class ConsumerRuntime:
                 instruments.DELIVERY_FAILURES.add(
                     1, {"consumer": self.consumer, "reason": Failure.INTERNAL.value}
                 )
+                refused = True
+                await self._report_failure(error, Failure.INTERNAL)
+            else:
+                if refused and self.stats.failing_reason is Failure.INTERNAL:
+                    # The step the database refused went through: that streak is over (a
+                    # commit ends it anyway; an idle consumer's read must too).
+                    self.stats.recover()
+                    await self._report_failure(None, None)
+                return result
             await self._sleep_unless_stopped(delay)
+
+    async def _report_failure(self, error: str | None, failure: Failure | None) -> None:
+        """Keep a failing streak (or its end: None) where `serversync status`, the gauges and
+        the alert read it; best effort, as the database may be what fails."""
+        epoch = self.stats.epoch
+        if epoch is None:
+            return
+        with contextlib.suppress(psycopg.Error):
+            if failure is None or error is None:
+                step = functools.partial(self.store.clear_failure, self.consumer, epoch)
+            else:
+                step = functools.partial(
+                    self.store.record_failure, self.consumer, epoch, error, failure.value
+                )
+            await self._bounded_by_stop(step)
 
     async def _bounded_by_stop(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run one database step; once a stop is requested, give it at most the shutdown timeout.

@@ -91,19 +91,21 @@ def parse_retry_after(value: str | None) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+        return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError, OverflowError):
         return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 # The most of an answer a sink reads: a receiver's answer is a small JSON object, and an error
 # page of any size must not cost the consumer its memory.
 MAX_ANSWER_BYTES = 64 * 1024
 DELIVERED_CONFLICT = 409
+# The answers whose Retry-After is waited for instead of the backoff's delay.
+RETRY_AFTER_STATUSES = frozenset({429, 503})
 # The receiver is down or busy: tried again, with the offset held.
 UNAVAILABLE_4XX = frozenset({408, 425, 429})
 # The destination is wrong, not the data (a wrong or rotated secret, a skewed clock, a route not
@@ -182,7 +184,12 @@ async def answer_of(
         f"{what} answered HTTP {status}{where}: {_excerpt(body)}",
         failure=failure,
         code=f"HTTP_{status}",
-        retry_after=parse_retry_after(response.headers.get("Retry-After")),
+        # The receiver's word on when to come back, where it may give one: busy, or down.
+        retry_after=(
+            parse_retry_after(response.headers.get("Retry-After"))
+            if status in RETRY_AFTER_STATUSES
+            else None
+        ),
     )
 
 

@@ -27,9 +27,9 @@ from typing import Any
 import aiohttp
 
 from consumer import failpoints
-from consumer.events import Batch, DeliveryError, Failure
+from consumer.events import JSON_TEXT, Batch, DeliveryError, Failure, json_members
 from consumer.recordings import FAILED, PENDING, UPLOADED, RecordingLedger, RecordingRow
-from consumer.signing import recording_file_message, sign
+from consumer.signing import RecordingManifest, manifest_headers
 from consumer.sinks.http import HttpSink, answer_of, client_span
 from consumer.sinks.local_recordings import (
     FilesState,
@@ -51,15 +51,26 @@ MIN_UPLOAD_RATE = 1024 * 1024
 REFUSAL_MEMORY_SEC = 600.0
 
 
-def wants(entry: dict[str, Any]) -> bool:
-    """Whether an outbox entry may need an upload: a recording written as pending."""
-    payload = entry.get("payload")
-    return (
-        entry.get("entityType") == RECORDING_ENTITY
-        and entry.get("op") == "upsert"
-        and isinstance(payload, dict)
-        and payload.get("upload_status") == PENDING
-    )
+def wanted_recording(entry_json: bytes) -> str | None:
+    """The recording id of an outbox entry that may need an upload (a recording written as
+    pending), else None.
+
+    Read from the entry's text without decoding the payloads of other events: any row of any
+    table passes through this consumer, and a number no double holds or a nesting thousands
+    deep (both valid in PostgreSQL's json) must not stop the recordings behind it."""
+    entry = json_members(entry_json.decode())
+    if JSON_TEXT.decode(entry.get("entityType", "null")) != RECORDING_ENTITY:
+        return None
+    if JSON_TEXT.decode(entry.get("op", "null")) != "upsert":
+        return None
+    payload = entry.get("payload", "null")
+    if not payload.startswith("{"):
+        return None
+    status = json_members(payload).get("upload_status", "null")
+    if not status.startswith('"') or JSON_TEXT.decode(status) != PENDING:
+        return None
+    recording_id: str = JSON_TEXT.decode(entry["entityId"])
+    return recording_id
 
 
 @dataclass(frozen=True)
@@ -113,7 +124,8 @@ class RecordingUploadSink(HttpSink):
         recording is raised first (the runtime then narrows the batch down and parks just it);
         otherwise the first retryable failure is raised and the batch is tried again later.
         """
-        ids = list(dict.fromkeys(entry["entityId"] for entry in batch.entries() if wants(entry)))
+        wanted = (wanted_recording(raw) for raw in batch.raw_entries())
+        ids = list(dict.fromkeys(rid for rid in wanted if rid is not None))
         if not ids:
             return
         alone = batch.count == 1
@@ -258,15 +270,23 @@ class RecordingUploadSink(HttpSink):
     async def _upload(
         self, row: RecordingRow, local: LocalRecording, prepared: PreparedUpload
     ) -> str:
-        """POST the recording; the fileUrl the receiver keeps it at."""
+        """POST the recording; the fileUrl the receiver keeps it at.
+
+        The manifest header declares the ids and each file's size and SHA-256, and the signature
+        covers it: the receiver authenticates the upload before it reads any of the body, then
+        holds the parts to it. A file changed since `prepared` is refused: with a secret as
+        unauthentic (401, the offset held and the upload tried again, with a new manifest)."""
+        manifest = RecordingManifest(
+            call_log_id=row.call_log_id,
+            recording_id=row.id,
+            audio_size=prepared.audio_size,
+            audio_sha256=prepared.audio_sha256,
+            meta_size=len(prepared.meta_json),
+            meta_sha256=prepared.meta_sha256,
+        )
         headers = {
             "Idempotency-Key": f"{self.name}:{row.id}",
-            **sign(
-                self._secret,
-                recording_file_message(
-                    row.call_log_id, row.id, prepared.audio_sha256, prepared.meta_sha256
-                ),
-            ),
+            **manifest_headers(self._secret, manifest),
         }
         timeout = aiohttp.ClientTimeout(total=self._timeout + prepared.audio_size / MIN_UPLOAD_RATE)
         try:

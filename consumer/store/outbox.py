@@ -198,6 +198,11 @@ class OutboxStore:
                 {"consumer": consumer, "epoch": epoch, "error": error[:2000], "reason": reason},
             )
 
+    async def clear_failure(self, consumer: str, epoch: int) -> None:
+        """The failing streak is over, though no offset was committed."""
+        async with self._pool.connection() as conn:
+            await conn.execute(query("clear_failure"), {"consumer": consumer, "epoch": epoch})
+
     async def release_leadership(self, consumer: str, epoch: int) -> None:
         """Clear the leader columns on a clean stop."""
         async with self._pool.connection() as conn:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from consumer.events import DeliveryError
+from consumer.events import JSON_TEXT, DeliveryError, json_members
 from consumer.queries import query
-from consumer.recordings import RecordingRow
+from consumer.recordings import PENDING, RecordingRow
 
 
 class RecordingStore:
@@ -58,11 +59,20 @@ class RecordingStore:
         return marked is not None
 
     async def fail_parked(self, consumer: str) -> int:
-        """Mark 'failed' the rows still pending whose upload `consumer` parked (see
-        recordings_fail_parked in sql/queries.sql); how many. Raises psycopg.Error."""
+        """Mark 'failed' the rows still pending whose upload `consumer` parked (a mark lost to a
+        crash after the park's commit); how many. Raises psycopg.Error."""
+        marked = 0
         async with self._pool.connection() as conn:
-            cur = await conn.execute(query("recordings_fail_parked"), {"consumer": consumer})
-            return int(cur.rowcount)
+            cur = await conn.execute(query("recordings_parked"), {"consumer": consumer})
+            for entity_id, payload in await cur.fetchall():
+                seen = _pending_as_of(payload)
+                if seen is None or not _UUID.fullmatch(entity_id):
+                    continue
+                changed = await conn.execute(
+                    query("recording_fail_parked"), {"id": entity_id, "updated_at": seen}
+                )
+                marked += changed.rowcount
+        return marked
 
     async def _run(self, name: str, params: dict[str, str], recording_id: str) -> Any:
         """Run a one-row query: its row, or for an UPDATE a truthy value when a row changed."""
@@ -83,3 +93,17 @@ class RecordingStore:
                 f"backend database: {type(exc).__name__}: {str(exc).strip()}",
                 code="DATABASE_ERROR",
             ) from None
+
+
+_UUID = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
+
+
+def _pending_as_of(payload: str) -> str | None:
+    """The updated_at of a parked recording row that said 'pending', else None."""
+    try:
+        row = json_members(payload)
+        status = JSON_TEXT.decode(row.get("upload_status", "null"))
+        updated_at = JSON_TEXT.decode(row.get("updated_at", "null"))
+    except ValueError:
+        return None
+    return updated_at if status == PENDING and isinstance(updated_at, str) else None

@@ -112,4 +112,8 @@ SELECT sync.track(t.name::regclass, t.entity_type)
                ('public.ivr_flows', 'ivr_flow'),
                ('public.schedules', 'schedule'),
                ('public.announcements', 'announcement')) AS t (name, entity_type)
- WHERE NOT EXISTS (SELECT 1 FROM sync.tracked_tables AS k WHERE k.table_name = t.name::regclass);
+ WHERE NOT EXISTS (SELECT 1 FROM sync.tracked_tables AS k WHERE k.table_name = t.name::regclass)
+   -- A table of the user's keyed by another column is left untracked rather than failing here:
+   -- `SELECT sync.track('public.recordings', 'recording', 'its_key')` names its key.
+   AND EXISTS (SELECT 1 FROM pg_attribute AS a
+                WHERE a.attrelid = t.name::regclass AND a.attname = 'id' AND NOT a.attisdropped);
