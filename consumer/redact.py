@@ -35,10 +35,13 @@ def mask_secrets(text: str) -> str:
     return text
 
 
-# C0 and C1 control characters, DEL, and lone surrogates: none may reach a log line or a text
-# column raw (a NUL is refused by PostgreSQL's text, a newline forges a log line, a surrogate
-# cannot be encoded as UTF-8).
-_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]+")
+# C0 and C1 control characters, DEL, the line and paragraph separators, the bidirectional
+# overrides and isolates, and lone surrogates: none may reach a log line or a text column raw (a
+# NUL is refused by PostgreSQL's text, a newline or U+2028 forges a log line, an override
+# disguises one, a surrogate cannot be encoded as UTF-8).
+_UNPRINTABLE = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]+"
+)
 
 
 def printable(text: str) -> str:

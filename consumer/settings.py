@@ -191,6 +191,19 @@ class ReceiverSettings(_Base):
     body_idle_timeout_sec: float = Field(
         30.0, gt=0, le=3600, validation_alias="INGEST_BODY_IDLE_TIMEOUT_SEC"
     )
+    # A recording upload of N bytes must arrive whole within INGEST_BODY_IDLE_TIMEOUT_SEC + N / this
+    # rate, else it is abandoned (408), nothing of it kept: a body trickling in never holds an
+    # upload slot for long. At most 1 MiB/s, the rate the consumer allows itself
+    # (MIN_UPLOAD_RATE in sinks/recording_upload.py).
+    min_upload_bytes_per_sec: int = Field(
+        64 * 1024, ge=1024, le=1024 * 1024, validation_alias="INGEST_MIN_UPLOAD_BYTES_PER_SEC"
+    )
+    # Batch bodies (POST /api/ingest/sync) read at once; one more is answered 503 with
+    # Retry-After. Each may hold up to INGEST_MAX_BODY_BYTES in memory while it arrives, and
+    # must arrive within INGEST_BODY_IDLE_TIMEOUT_SEC + its size / INGEST_MIN_UPLOAD_BYTES_PER_SEC.
+    max_concurrent_bodies: int = Field(
+        8, ge=1, le=1024, validation_alias="INGEST_MAX_CONCURRENT_BODIES"
+    )
     # Free space kept on RECORDINGS_STORE_DIR's filesystem: an upload that would leave less
     # (counting what the uploads in flight declared) is answered 507 with Retry-After.
     min_free_bytes: int = Field(1024 * 1024 * 1024, ge=0, validation_alias="INGEST_MIN_FREE_BYTES")

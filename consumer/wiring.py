@@ -19,7 +19,7 @@ from consumer.db import connect, connect_kwargs, mask_dsn
 from consumer.deadletters import DeadLetters, SinkFactory
 from consumer.events import DeadLetter, DeliveryError, Sink
 from consumer.opshttp import PING_TIMEOUT_SEC, Health, MetricsEndpoint, build_ops_app
-from consumer.receiver.app import build_app
+from consumer.receiver.app import BodyReads, build_app
 from consumer.receiver.recordings import RecordingFiles
 from consumer.receiver.store import EntityStore
 from consumer.runtime.wakeup import NotifyListener
@@ -404,6 +404,7 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
         public_base_url=str(settings.public_base_url) if settings.public_base_url else None,
         max_concurrent_uploads=settings.max_concurrent_uploads,
         body_idle_timeout_sec=settings.body_idle_timeout_sec,
+        min_upload_bytes_per_sec=settings.min_upload_bytes_per_sec,
         min_free_bytes=settings.min_free_bytes,
     )
     try:
@@ -419,6 +420,11 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
             max_body_bytes=settings.max_body_bytes,
             shared_secret=settings.shared_secrets,
             recordings=recordings,
+            body_reads=BodyReads(
+                max_concurrent=settings.max_concurrent_bodies,
+                idle_timeout=settings.body_idle_timeout_sec,
+                min_rate=settings.min_upload_bytes_per_sec,
+            ),
         )
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()

@@ -635,3 +635,234 @@ async def test_the_documented_grants_run_a_producer_a_consumer_and_an_operator(
         await run("consumers", "remove", "frontend-sync", "--yes", "--purge-dlq")
     assert await fetch_all(backend_dsn, "SELECT consumer FROM sync.consumer_offsets") == []
     assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.dlq_messages") == 0
+
+
+# -- code of other roles inside the relay ----------------------------------------------------
+
+FORGE = (
+    "INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)"
+    " VALUES ('delete', 'call_log', 'forged', '{}')"
+)
+
+
+async def owner_and_writer(dsn: str, roles: Roles) -> tuple[str, str]:
+    """A table owner (schema shop) and a producer with a schema of its own (w), both no
+    superuser; each may use the other's schema."""
+    owner = await roles.create("owner", dsn)
+    writer = await roles.create("writer", dsn)
+    await execute(
+        dsn,
+        grant("CREATE SCHEMA shop AUTHORIZATION {}", owner),
+        grant("CREATE SCHEMA w AUTHORIZATION {}", writer),
+        grant("GRANT USAGE ON SCHEMA shop TO {}", writer),
+        grant("GRANT USAGE ON SCHEMA w TO {}", owner),
+    )
+    return owner, writer
+
+
+async def test_sync_track_refuses_a_column_type_cast_or_key_operator_of_another_role(
+    backend_dsn: str, roles: Roles
+) -> None:
+    """to_json(r.*) calls a column type's cast to json, and the rekey check the key's `=`,
+    as serversync_relay: a producer that owns the type (an enum of its own, or one inside an
+    array, a domain or a composite type), the cast's function or the operator could have the
+    relay write any event. sync.track refuses such a table, naming the column and the role."""
+    owner, writer = await owner_and_writer(backend_dsn, roles)
+    as_writer = as_role(backend_dsn, writer)
+    as_owner = as_role(backend_dsn, owner)
+    await execute(
+        as_writer,
+        "CREATE TYPE w.mood AS ENUM ('ok', 'bad')",
+        "CREATE FUNCTION w.evil(w.mood) RETURNS json LANGUAGE plpgsql AS $$"
+        f" BEGIN {FORGE}; RETURN to_json($1::text); END $$",
+        "CREATE CAST (w.mood AS json) WITH FUNCTION w.evil(w.mood)",
+        "CREATE FUNCTION w.evil_state(text) RETURNS json LANGUAGE plpgsql AS $$"
+        f" BEGIN {FORGE}; RETURN to_json($1); END $$",
+        "CREATE FUNCTION w.eq(text, text) RETURNS boolean LANGUAGE plpgsql AS $$"
+        f" BEGIN {FORGE}; RETURN $1 OPERATOR(pg_catalog.=) $2; END $$",
+        "CREATE OPERATOR w.= (LEFTARG = text, RIGHTARG = text, FUNCTION = w.eq)",
+    )
+    await execute(
+        as_owner,
+        "CREATE DOMAIN shop.mood_d AS w.mood",
+        "CREATE TYPE shop.pair AS (m w.mood[], n int)",
+        "CREATE TYPE shop.state AS ENUM ('new', 'old')",
+        "CREATE FUNCTION shop.state_json(shop.state) RETURNS json LANGUAGE sql"
+        " AS $$ SELECT w.evil_state($1::text) $$",
+        # The cast is the owner's, its function calls the writer's: the function's owner
+        # counts, so a cast whose function is the writer's own is refused.
+        "CREATE TABLE shop.direct (id int PRIMARY KEY, m w.mood)",
+        "CREATE TABLE shop.arrays (id int PRIMARY KEY, m w.mood[])",
+        "CREATE TABLE shop.domains (id int PRIMARY KEY, m shop.mood_d)",
+        "CREATE TABLE shop.composites (id int PRIMARY KEY, p shop.pair)",
+        "CREATE TABLE shop.keyed (code text PRIMARY KEY, n int)",
+        "CREATE TABLE shop.clean (id int PRIMARY KEY, s shop.state, body text, tags text[])",
+    )
+    await execute(
+        backend_dsn,  # casting from a type needs its ownership; the writer's function: EXECUTE
+        "CREATE FUNCTION shop.state_cast(shop.state) RETURNS json LANGUAGE sql"
+        " AS $$ SELECT to_json($1::text) $$",
+        grant("ALTER FUNCTION shop.state_cast(shop.state) OWNER TO {}", writer),
+    )
+    await execute(
+        as_owner,
+        "CREATE CAST (shop.state AS jsonb) WITH INOUT",
+    )
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        for table, column in [
+            ("direct", "m"),
+            ("arrays", "m"),
+            ("domains", "m"),
+            ("composites", "p"),
+        ]:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege) as refused:
+                await conn.execute(f"SELECT sync.track('shop.{table}', 'thing')")
+            message = refused.value.diag.message_primary or ""
+            assert f"column {column} of table shop.{table}" in message, message
+            assert f"w.mood belongs to role {writer}" in message, message
+            assert refused.value.diag.message_hint, table
+        # The key's `=` as the caller's search_path gives it: the writer's operator.
+        await conn.execute("SET search_path = w, pg_catalog, public")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match=writer) as refused:
+            await conn.execute("SELECT sync.track('shop.keyed', 'thing', 'code')")
+        assert "key column code of table shop.keyed" in (refused.value.diag.message_primary or "")
+        await conn.execute("RESET search_path")
+        await conn.execute("SELECT sync.track('shop.keyed', 'thing', 'code')")
+        # The owner's enum with a cast to json whose function is the writer's.
+        await conn.execute(
+            "CREATE CAST (shop.state AS json) WITH FUNCTION shop.state_cast(shop.state)"
+        )
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match=r"shop\.state_cast"):
+            await conn.execute("SELECT sync.track('shop.clean', 'thing')")
+        await conn.execute("DROP CAST (shop.state AS json)")
+        # Only the owner's types, built-in ones and an INOUT cast: tracked, and relayed.
+        await conn.execute("SELECT sync.track('shop.clean', 'thing')")
+    tracked = await fetch_all(
+        backend_dsn, "SELECT table_name::text FROM sync.tracked_tables ORDER BY 1"
+    )
+    assert ("shop.clean",) in tracked and ("shop.keyed",) in tracked
+    assert not {("shop.direct",), ("shop.arrays",), ("shop.domains",), ("shop.composites",)} & set(
+        tracked
+    )
+    await execute(
+        backend_dsn,
+        grant("GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA shop TO {}", writer),
+    )
+    await execute(
+        as_writer,
+        "INSERT INTO shop.direct VALUES (1, 'bad')",
+        "INSERT INTO shop.keyed VALUES ('a', 1)",
+        "UPDATE shop.keyed SET code = 'b'",
+        "INSERT INTO shop.clean VALUES (1, 'new', 'x', '{t}')",
+    )
+    rows = await fetch_all(backend_dsn, EVENTS)
+    assert [(op, key) for op, _, key, _ in rows] == [
+        ("upsert", "a"),
+        ("delete", "a"),
+        ("upsert", "b"),
+        ("upsert", "1"),
+    ]
+
+
+async def test_restrictive_policies_are_refused_and_block_key_changes_added_later(
+    backend_dsn: str, roles: Roles
+) -> None:
+    """A RESTRICTIVE policy on a tracked table would run its owner's code as serversync_relay
+    in the rekey check, and hide rows from it (the permissive sync_relay_rekey does not
+    override it), so that keys swapped in one statement of a partitioned table send a delete of
+    a live entity. sync.track refuses one; one added after tracking makes a key change fail,
+    before the policy is read, while other writes are still relayed."""
+    owner, writer = await owner_and_writer(backend_dsn, roles)
+    as_owner = as_role(backend_dsn, owner)
+    await execute(
+        as_owner,
+        "CREATE FUNCTION shop.spy() RETURNS boolean LANGUAGE plpgsql AS $$"
+        f" BEGIN {FORGE}; RETURN false; END $$",
+        "CREATE TABLE shop.slots (code text NOT NULL, shelf text, item text)"
+        " PARTITION BY LIST (shelf)",
+        "CREATE TABLE shop.slots_top PARTITION OF shop.slots FOR VALUES IN ('top')",
+        "ALTER TABLE shop.slots ENABLE ROW LEVEL SECURITY",
+        grant(
+            "CREATE POLICY writer_rows ON shop.slots TO {} USING (true) WITH CHECK (true)", writer
+        ),
+        grant("GRANT SELECT, INSERT, UPDATE ON shop.slots TO {}", writer),
+        "CREATE POLICY hide ON shop.slots AS RESTRICTIVE FOR SELECT TO serversync_relay"
+        " USING (shop.spy())",
+    )
+    with pytest.raises(psycopg.errors.InsufficientPrivilege, match="RESTRICTIVE policy hide"):
+        await execute(backend_dsn, "SELECT sync.track('shop.slots', 'slot', 'code')")
+    await execute(as_owner, "DROP POLICY hide ON shop.slots")
+    await execute(backend_dsn, "SELECT sync.track('shop.slots', 'slot', 'code')")
+    await execute(
+        as_owner,
+        "CREATE POLICY hide ON shop.slots AS RESTRICTIVE FOR SELECT TO serversync_relay"
+        " USING (shop.spy())",
+    )
+    conn = await connect_as(backend_dsn, writer)
+    async with conn:
+        await conn.execute(
+            "INSERT INTO shop.slots VALUES ('a', 'top', 'apple'), ('b', 'top', 'banana')"
+        )
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="RESTRICTIVE policy"):
+            await conn.execute(
+                "UPDATE shop.slots SET code = CASE code WHEN 'a' THEN 'b' ELSE 'a' END"
+            )
+        await conn.execute("UPDATE shop.slots SET item = 'pear' WHERE code = 'a'")
+    rows = [(op, key, p["item"]) for op, _, key, p in await fetch_all(backend_dsn, EVENTS)]
+    assert rows == [("upsert", "a", "apple"), ("upsert", "b", "banana"), ("upsert", "a", "pear")]
+
+
+async def test_upgrading_untracks_a_table_sync_track_now_refuses_with_a_warning(
+    empty_dsn: str, roles: Roles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table tracked before 0012 whose column type a producer owns: the migration still
+    applies, removes that table's relay with a WARNING naming it (its writes are no longer
+    relayed), and regenerates every other relay."""
+    everything = migrations.available
+    monkeypatch.setattr(
+        migrations,
+        "available",
+        lambda component: [
+            m for m in everything(component) if component != "backend" or m.version < "0012"
+        ],
+    )
+    conn = await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True)
+    async with conn:
+        await migrations.migrate(conn, ["backend"])
+        await migrations.apply_examples(conn)
+    owner, writer = await owner_and_writer(empty_dsn, roles)
+    await execute(as_role(empty_dsn, writer), "CREATE TYPE w.mood AS ENUM ('ok', 'bad')")
+    await execute(
+        as_role(empty_dsn, owner),
+        "CREATE TABLE shop.moods (id int PRIMARY KEY, m w.mood)",
+        grant("GRANT SELECT, INSERT ON shop.moods TO {}", writer),
+    )
+    await execute(empty_dsn, "SELECT sync.track('shop.moods', 'mood')")
+
+    monkeypatch.undo()
+    warnings: list[str] = []
+    conn = await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True)
+    async with conn:
+        conn.add_notice_handler(
+            lambda n: warnings.append(n.message_primary or "") if n.severity == "WARNING" else None
+        )
+        applied = await migrations.migrate(conn, ["backend"])
+    assert [m.version for m in applied] == ["0012"]
+    [warning] = [w for w in warnings if "shop.moods" in w]
+    assert "no longer tracked" in warning and "NOT relayed" in warning, warning
+    assert writer in warning, warning
+    tracked = await fetch_all(empty_dsn, "SELECT table_name::text FROM sync.tracked_tables")
+    assert ("call_logs",) in tracked and ("shop.moods",) not in tracked
+    oid = await fetch_value(empty_dsn, "SELECT 'shop.moods'::regclass::oid")
+    assert (
+        await fetch_all(empty_dsn, "SELECT proname FROM pg_proc WHERE proname ~ %s", (f"_{oid}$",))
+        == []
+    )
+    await execute(as_role(empty_dsn, writer), "INSERT INTO shop.moods VALUES (1, 'bad')")
+    await execute(
+        empty_dsn, "INSERT INTO call_logs (caller_number, callee_number) VALUES ('c', 'x')"
+    )
+    assert [entity_type for _, entity_type, _, _ in await fetch_all(empty_dsn, EVENTS)] == [
+        "call_log"
+    ]

@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import annotated_types
 import orjson
 import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from consumer.receiver.recordings import CHUNK_BYTES, RecordingFiles
+from consumer.receiver.recordings import CHUNK_BYTES, MIN_UPLOAD_BYTES_PER_SEC, RecordingFiles
+from consumer.settings import ReceiverSettings
 from consumer.signing import (
     MANIFEST_HEADER,
     SIGNATURE_HEADER,
@@ -32,6 +34,7 @@ from consumer.signing import (
     sign,
     signature,
 )
+from consumer.sinks.recording_upload import MIN_UPLOAD_RATE
 from tests.conftest import wait_until
 from tests.helpers_recordings import SECRET
 from tests.test_recording_receiver import (
@@ -170,7 +173,7 @@ async def test_a_forged_upload_is_401_before_its_body_is_read(
     recording = Upload(audio=noise(200_000))
     got = await head_only(signed, recording, forge(recording))
     assert_error(got, 401, "INGEST_UNAUTHORIZED")
-    assert signed.streaming() == 0
+    assert signed.files.bodies_read == 0  # refused from the headers: the body never read
     assert kept(signed.root) == NOTHING
 
 
@@ -222,7 +225,7 @@ async def test_a_signed_manifest_the_receiver_cannot_take_is_refused_before_the_
     recording = Upload()
     got = await head_only(signed, recording, declare(recording))
     assert_error(got, status, code, field)
-    assert signed.streaming() == 0
+    assert signed.files.bodies_read == 0  # refused from the headers: the body never read
     assert kept(signed.root) == NOTHING
 
 
@@ -304,7 +307,7 @@ async def test_a_compressed_upload_is_415_before_its_body_is_read(signed: Receiv
             headers=headers,
         )
     assert_error(got, 415, "INGEST_UNSUPPORTED_ENCODING")
-    assert signed.streaming() == 0
+    assert signed.files.bodies_read == 0  # refused from the headers: the body never read
     assert kept(signed.root) == NOTHING
     # "identity" is no encoding at all.
     async with aiohttp.ClientSession() as client:
@@ -350,10 +353,11 @@ async def test_expect_100_continue_is_answered_with_the_refusal_instead(signed: 
 
     forged = await status_lines(_wrong_secret(recording))
     assert forged == [b"HTTP/1.1 401 Unauthorized"]
-    assert signed.streaming() == 0
+    assert signed.files.bodies_read == 0  # refused from the headers: the body never read
     assert kept(signed.root) == NOTHING
     good = await status_lines(recording.signed())
     assert good == [b"HTTP/1.1 100 Continue", b"HTTP/1.1 200 OK"]
+    assert signed.files.bodies_read == 1
     assert kept(signed.root) == stored(recording)
 
 
@@ -436,8 +440,14 @@ async def test_a_body_that_stops_arriving_is_abandoned_after_the_idle_timeout(
 async def test_a_slow_body_that_keeps_arriving_is_not_cut_off(
     receiver_dsn: str, tmp_path: Path
 ) -> None:
+    # The overall deadline (test_a_trickling_upload_is_cut_off_by_its_overall_deadline) set far
+    # off: at 1 KiB/s, over a minute.
     async with receiver(
-        receiver_dsn, tmp_path / "store", secret=SECRET, body_idle_timeout_sec=1.0
+        receiver_dsn,
+        tmp_path / "store",
+        secret=SECRET,
+        body_idle_timeout_sec=1.0,
+        min_upload_bytes_per_sec=1024,
     ) as idle:
         recording = Upload(audio=noise(64 * 1024))
         body, content_type = await multipart(recording.parts())
@@ -458,6 +468,179 @@ async def test_a_slow_body_that_keeps_arriving_is_not_cut_off(
         assert time.monotonic() - started > 2.0
         assert status == 200, reply
         assert kept(idle.root) == stored(recording)
+
+
+KIB = 1024
+
+
+async def paced(body: bytes, piece: int, rate: float) -> AsyncIterator[bytes]:
+    """`body` sent `piece` bytes at a time at `rate` bytes/s, on an absolute schedule (no drift
+    from late wake-ups)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for start in range(0, len(body), piece):
+        await asyncio.sleep(max(0.0, started + start / rate - loop.time()))
+        yield body[start : start + piece]
+
+
+async def test_a_trickling_upload_is_cut_off_by_its_overall_deadline(
+    receiver_dsn: str, tmp_path: Path
+) -> None:
+    # 64 KiB of audio at 64 KiB/s at least, after a 2 s idle allowance: about 3 s in all.
+    async with receiver(
+        receiver_dsn,
+        tmp_path / "store",
+        secret=SECRET,
+        body_idle_timeout_sec=2.0,
+        min_upload_bytes_per_sec=64 * KIB,
+    ) as slow:
+        recording = Upload(audio=noise(64 * KIB))
+        body, content_type = await multipart(recording.parts())
+        # 1 KiB every 0.5 s: never idle for the 2 s the idle timeout waits, but the whole body
+        # would take over half a minute.
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as client, asyncio.timeout(ANSWER_DEADLINE):
+            got = await post(
+                client,
+                slow.url,
+                paced(body, KIB, 2 * KIB),
+                content_type=content_type,
+                headers=recording.signed(),
+            )
+        elapsed = time.monotonic() - started
+        assert_error(got, 408, "INGEST_BODY_TIMEOUT", "audio")
+        assert "did not arrive within" in got[1]["error"]["message"], got
+        assert 2.5 <= elapsed < ANSWER_DEADLINE
+        assert kept(slow.root) == NOTHING
+        # Its slot and its recordingId are free again.
+        assert (slow.files.uploading, slow.files.receiving) == (0, set())
+
+
+async def test_a_steady_upload_at_the_minimum_rate_is_not_cut_off(
+    receiver_dsn: str, tmp_path: Path
+) -> None:
+    async with receiver(
+        receiver_dsn,
+        tmp_path / "store",
+        secret=SECRET,
+        body_idle_timeout_sec=2.0,
+        min_upload_bytes_per_sec=64 * KIB,
+    ) as slow:
+        recording = Upload(audio=noise(192 * KIB))
+        body, content_type = await multipart(recording.parts())
+        started = time.monotonic()
+        async with aiohttp.ClientSession() as client:
+            status, reply = await post(
+                client,
+                slow.url,
+                paced(body, 8 * KIB, 64 * KIB),
+                content_type=content_type,
+                headers=recording.signed(),
+            )
+        # Three seconds at the minimum rate: longer than the idle allowance alone.
+        assert time.monotonic() - started > 2.5
+        assert status == 200, reply
+        assert kept(slow.root) == stored(recording)
+
+
+def test_the_receivers_minimum_rate_is_at_most_the_consumers() -> None:
+    # A consumer gives up on an upload after its timeout + size / MIN_UPLOAD_RATE: the
+    # receiver's deadline must be no shorter, or it would cut off uploads the consumer waits on.
+    field = ReceiverSettings.model_fields["min_upload_bytes_per_sec"]
+    highest = next(rule.le for rule in field.metadata if isinstance(rule, annotated_types.Le))
+    assert isinstance(highest, int)
+    assert field.default == MIN_UPLOAD_BYTES_PER_SEC <= highest <= MIN_UPLOAD_RATE
+
+
+async def test_a_second_upload_of_a_recording_being_received_is_503_and_the_first_is_kept(
+    receiver_dsn: str, tmp_path: Path
+) -> None:
+    async with receiver(
+        receiver_dsn, tmp_path / "store", secret=SECRET, busy_retry_after_sec=3
+    ) as once:
+        recording, other = Upload(audio=noise(MIB)), Upload(audio=noise(MIB, 2))
+        # A captured signed request: the same headers and body, replayed while it is received.
+        headers = recording.signed()
+        body, content_type = await multipart(recording.parts())
+        half = audio_offset(body, recording) + MIB // 2
+        release = asyncio.Event()
+        async with aiohttp.ClientSession() as client:
+            first = asyncio.create_task(
+                post(
+                    client,
+                    once.url,
+                    held_back(body[:half], release, body[half:]),
+                    content_type=content_type,
+                    headers=headers,
+                )
+            )
+            try:
+                await wait_until(lambda: once.streaming() == 1, what="the first upload streaming")
+                never = asyncio.Event()
+                async with asyncio.timeout(ANSWER_DEADLINE):
+                    status, reply, answered = await answer(
+                        client,
+                        once.url,
+                        held_back(body[:half], never),
+                        content_type,
+                        headers,
+                    )
+                assert_error((status, reply), 503, "INGEST_BUSY", "recordingId")
+                assert answered["Retry-After"] == "3"
+                # Refused from its headers, without a slot: the first's body alone was read.
+                assert once.files.bodies_read == 1
+                assert once.files.uploading == 1
+                # Another recording meanwhile is received as usual.
+                status, reply = await upload(client, once.url, other, headers=other.signed())
+                assert status == 200, reply
+            finally:
+                release.set()
+            status, reply = await first
+            assert (status, reply["created"]) == (200, True), reply
+            # Once it is kept, the same recording may come again (a retry): the same answer.
+            status, reply = await upload(client, once.url, recording, headers=recording.signed())
+            assert (status, reply["created"]) == (200, False), reply
+        assert kept(once.root) == sorted({*stored(recording), *stored(other)})
+        assert once.files.receiving == set()
+
+
+async def test_an_unsigned_upload_of_a_recording_being_received_is_503_once_its_id_is_read(
+    receiver_dsn: str, tmp_path: Path
+) -> None:
+    # Without a manifest the recordingId is known from its part only.
+    async with receiver(receiver_dsn, tmp_path / "store", secret=None) as unsigned:
+        recording = Upload(audio=noise(MIB))
+        body, content_type = await multipart(recording.parts())
+        half = audio_offset(body, recording) + MIB // 2
+        release = asyncio.Event()
+        async with aiohttp.ClientSession() as client:
+            first = asyncio.create_task(
+                post(
+                    client,
+                    unsigned.url,
+                    held_back(body[:half], release, body[half:]),
+                    content_type=content_type,
+                )
+            )
+            try:
+                await wait_until(
+                    lambda: unsigned.streaming() == 1, what="the first upload streaming"
+                )
+                async with asyncio.timeout(ANSWER_DEADLINE):
+                    got = await post(
+                        client,
+                        unsigned.url,
+                        held_back(body[:half], asyncio.Event()),
+                        content_type=content_type,
+                    )
+                assert_error(got, 503, "INGEST_BUSY", "recordingId")
+                assert unsigned.streaming() == 1
+            finally:
+                release.set()
+            status, reply = await first
+            assert status == 200, reply
+        assert kept(unsigned.root) == stored(recording)
+        assert unsigned.files.receiving == set()
 
 
 async def test_an_upload_that_would_leave_less_free_space_than_the_minimum_is_507(

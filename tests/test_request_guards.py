@@ -24,9 +24,12 @@ import pytest
 from yarl import URL
 
 from consumer import signing
+from consumer.receiver.app import BodyReads, build_app
+from consumer.receiver.store import EntityStore
+from consumer.redact import printable
 from consumer.telemetry import JsonFormatter, TextFormatter
-from consumer.wiring import consumer_runtime, serve_ops_http
-from tests.conftest import fetch_value, make_settings, wait_until
+from consumer.wiring import consumer_runtime, open_pool, serve_ops_http
+from tests.conftest import fetch_value, make_settings, serve_app, wait_until
 from tests.helpers_failures import INGEST_PATH, CountingStore, serve_reference_receiver
 
 SECRET = "guards-test-secret-0123456789abcdef"  # noqa: S105 - a test secret
@@ -551,3 +554,74 @@ async def test_an_admin_authorization_header_that_is_not_utf8_is_401_and_one_lin
         [r for r in logs.records if r.name.startswith(("serversync.adminapi", "aiohttp"))]
     )
     assert "refused" in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    "disguise", ["\u2028", "\u2029", "\u202e", "\u2066", "\x85", "\x1b", "\ud800"]
+)
+def test_printable_leaves_nothing_that_breaks_or_disguises_a_line(disguise: str) -> None:
+    """Line and paragraph separators break a line in many log viewers, and a right-to-left
+    override makes a line read backwards: they go the way of the control characters."""
+    assert printable(f"refused{disguise}forged: admin logged in") == (
+        "refused forged: admin logged in"
+    )
+    assert printable("é 日本 ok") == "é 日本 ok"
+
+
+# -- bodies a stranger could make the receiver hold ------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def bounded_receiver(receiver_dsn: str, reads: BodyReads) -> AsyncIterator[str]:
+    """The reference receiver with SECRET and these bounds on reading bodies; its base URL."""
+    async with open_pool(receiver_dsn, "test-ingest", max_size=2) as pool:
+        app = build_app(
+            EntityStore(pool), max_body_bytes=1024 * 1024, shared_secret=SECRET, body_reads=reads
+        )
+        async with serve_app(app, shutdown_timeout=1.0) as url:
+            yield url
+
+
+def forged_head(length: int) -> bytes:
+    """A POST whose signature headers are well-formed and fresh, though no secret made them:
+    what anyone can send, and what the receiver must read the body of to tell."""
+    headers: dict[str, str | bytes] = {
+        "Content-Type": "application/json",
+        "Content-Length": str(length),
+        **fresh_headers(b"not the body"),
+    }
+    return request_head("POST", INGEST_PATH, headers)
+
+
+async def test_a_trickling_body_is_cut_off_by_its_deadline(receiver_dsn: str) -> None:
+    """4 KiB declared, at a minimum of 1 KiB/s after a 0.5 s allowance: the body that stops
+    after a few bytes is answered 408 within about 4.5 s, not held open for ever."""
+    reads = BodyReads(max_concurrent=8, idle_timeout=0.5, min_rate=1024)
+    async with bounded_receiver(receiver_dsn, reads) as url:
+        started = time.monotonic()
+        answer = await exchange(url, forged_head(4096), b'{"entries"')
+        took = time.monotonic() - started
+    assert_json_error(answer, 408, "INGEST_BODY_TIMEOUT")
+    assert 4.0 <= took < ANSWER_DEADLINE, took
+    assert reads.reading == 0
+
+
+async def test_bodies_read_at_once_are_bounded_and_one_more_is_503(receiver_dsn: str) -> None:
+    """One body is being read (it trickles); a second request is turned away with 503 and
+    Retry-After at once, and is taken again once the first is done."""
+    reads = BodyReads(max_concurrent=1, idle_timeout=30.0, min_rate=1024)
+    async with (
+        bounded_receiver(receiver_dsn, reads) as url,
+        connection(url) as (_, holder),
+    ):
+        holder.write(forged_head(4096) + b'{"entr')
+        await holder.drain()
+        await wait_until(lambda: reads.reading == 1, what="the first body being read")
+        busy = await exchange(url, forged_head(2), b"{}")
+        assert_json_error(busy, 503, "INGEST_BUSY")
+        assert busy.headers["retry-after"] == "1"
+        holder.close()
+        await wait_until(lambda: reads.reading == 0, what="the first read to end")
+        # Free again: the next one is read (and refused for its forged signature).
+        again = await exchange(url, forged_head(2), b"{}")
+        assert_json_error(again, 401, "INGEST_UNAUTHORIZED")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import psycopg
 from aiohttp import HttpVersion11, hdrs, web
@@ -134,11 +136,54 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
         return response
 
 
-def ingest_guard(secrets: Sequence[str], max_body_bytes: int) -> Middleware:
+@dataclass
+class BodyReads:
+    """How bodies of /api/ingest/ requests are read: at most `max_concurrent` at once (one more
+    is answered 503 with Retry-After), each whole within `idle_timeout` + its declared size /
+    `min_rate` (else 408). Well-formed signature headers cost a stranger nothing to make, and
+    the signature is checked only once the body is there: without these bounds, trickling
+    bodies could hold INGEST_MAX_BODY_BYTES of memory per connection for as long as they like."""
+
+    max_concurrent: int = 8
+    idle_timeout: float = 30.0
+    min_rate: int = 64 * 1024
+    reading: int = 0
+
+    async def read(self, request: web.Request, max_body_bytes: int) -> bytes | web.Response:
+        """The body, or the answer refusing to read it (503) or to wait for it longer (408)."""
+        if self.reading >= self.max_concurrent:
+            response = error_response(
+                503, "INGEST_BUSY", f"{self.max_concurrent} request bodies are being read"
+            )
+            response.headers[hdrs.RETRY_AFTER] = str(BUSY_RETRY_AFTER_SEC)
+            return response
+        declared = request.content_length or max_body_bytes
+        deadline = self.idle_timeout + declared / self.min_rate
+        self.reading += 1
+        try:
+            async with asyncio.timeout(deadline):
+                return await request.read()  # aiohttp keeps it for the handler
+        except TimeoutError:
+            log.info("abandoned %s: its body took over %.0fs", printable(request.path), deadline)
+            return error_response(
+                408, "INGEST_BODY_TIMEOUT", f"the body did not arrive within {deadline:.0f}s"
+            )
+        finally:
+            self.reading -= 1
+
+
+# How soon a client turned away because too many bodies are being read may try again.
+BUSY_RETRY_AFTER_SEC = 1
+
+
+def ingest_guard(
+    secrets: Sequence[str], max_body_bytes: int, body_reads: BodyReads | None = None
+) -> Middleware:
     """Every /api/ingest/ request but the recording upload: refused from its headers alone
     (guards.refusal_before_body: unsigned or stale 401, compressed 415, declared too large 413)
-    before its body is read; then, with `secrets`, refused (401, nothing written) unless the
-    body is signed with one of them."""
+    before its body is read; its body read within `body_reads`' bounds; then, with `secrets`,
+    refused (401, nothing written) unless the body is signed with one of them."""
+    reads = body_reads or BodyReads()
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -152,8 +197,10 @@ def ingest_guard(secrets: Sequence[str], max_body_bytes: int) -> Middleware:
         refused = refusal_before_body(request, secrets=secrets, max_body_bytes=max_body_bytes)
         if refused is not None:
             return refused
+        body = await reads.read(request, max_body_bytes)
+        if isinstance(body, web.Response):
+            return body
         if secrets:
-            body = await request.read()  # aiohttp keeps it for the handler
             problem = signing.verify(
                 secrets,
                 request.headers.get(signing.TIMESTAMP_HEADER),
@@ -198,13 +245,19 @@ def build_app(
     max_body_bytes: int,
     shared_secret: str | Sequence[str] | None = None,
     recordings: RecordingFiles | None = None,
+    body_reads: BodyReads | None = None,
 ) -> web.Application:
     """The receiver's aiohttp application; `shared_secret`: one secret, or the secrets accepted
     while one is rotated. Without one it accepts unsigned requests
     (the CLI allows that only with --insecure). With `recordings` it also takes recording
-    uploads and serves them."""
+    uploads and serves them. `body_reads`: the bounds on reading batch bodies (defaults:
+    BodyReads())."""
     secrets = (shared_secret,) if isinstance(shared_secret, str) else tuple(shared_secret or ())
-    middlewares: list[Middleware] = [traced, json_errors, ingest_guard(secrets, max_body_bytes)]
+    middlewares: list[Middleware] = [
+        traced,
+        json_errors,
+        ingest_guard(secrets, max_body_bytes, body_reads),
+    ]
     app = web.Application(
         client_max_size=max_body_bytes,
         middlewares=middlewares,

@@ -3,12 +3,14 @@
 An upload is authenticated from its headers alone, before any of its body is read: with a shared
 secret it carries a manifest (signing.RecordingManifest: the ids, and each file part's size and
 SHA-256) signed like a body. Then it takes one of a few upload slots and a reservation of the
-store's disk for the sizes it declared. Its audio is streamed to a temporary file while its
-SHA-256 is computed, each part held to the manifest (a part longer than declared is refused at
-the first bytes beyond it), fsynced and only then renamed into place, so a reader never sees half
-a file and a refused, broken, stalled or abandoned upload leaves nothing behind. Files are named
-by recordingId: uploading the same recording again replaces it with identical bytes and answers
-the same fileUrl (idempotent).
+store's disk for the sizes it declared, unless another upload of its recordingId is being received
+(a captured signed request replayed meanwhile is answered 503, never received twice); its whole
+body must arrive within a deadline set by its declared size. Its audio is streamed to a temporary
+file while its SHA-256 is computed, each part held to the manifest (a part longer than declared
+is refused at the first bytes beyond it), fsynced and only then renamed into place, so a reader
+never sees half a file and a refused, broken, stalled or abandoned upload leaves nothing behind.
+Files are named by recordingId: uploading the same recording again replaces it with identical
+bytes and answers the same fileUrl (idempotent).
 
 Nothing below RECORDINGS_STORE_DIR is reached through a symlink, to write or to serve: every
 folder and file under it is opened without following one (O_NOFOLLOW), relative to the open
@@ -57,9 +59,14 @@ STALE_PART_SEC = 3600
 AUDIO_TYPES = frozenset({"application/octet-stream", "audio/wav", "audio/x-wav", "audio/wave"})
 PARTS = ("callLogId", "recordingId", "audio", "meta")
 # The bounds' defaults (ReceiverSettings: INGEST_MAX_CONCURRENT_UPLOADS,
-# INGEST_BODY_IDLE_TIMEOUT_SEC, INGEST_MIN_FREE_BYTES).
+# INGEST_BODY_IDLE_TIMEOUT_SEC, INGEST_MIN_UPLOAD_BYTES_PER_SEC, INGEST_MIN_FREE_BYTES).
 MAX_CONCURRENT_UPLOADS = 4
 BODY_IDLE_TIMEOUT_SEC = 30.0
+# An upload of N bytes must have arrived whole within BODY_IDLE_TIMEOUT_SEC + N / this rate: a
+# body that trickles in (a few bytes now and then, never idle for long) cannot hold a slot for
+# days. At most the consumer's own MIN_UPLOAD_RATE (sinks/recording_upload.py), which sets its
+# own deadline the same way.
+MIN_UPLOAD_BYTES_PER_SEC = 64 * 1024
 MIN_FREE_BYTES = 1024 * 1024 * 1024
 # Retry-After of a 503 (every upload slot taken: one is free once an upload ends) and of a 507
 # (the disk is short: someone has to make room).
@@ -125,6 +132,22 @@ class _Upload:
     # Holds an upload slot; bytes of the store's disk still reserved for it.
     admitted: bool = False
     reserved: int = 0
+    # The recordingId it is the one upload of (RecordingFiles.receiving), once claimed.
+    claimed: str | None = None
+    # The loop time by which the whole body must have arrived, and the seconds that gives it.
+    deadline: float | None = None
+    allowed_sec: float = 0.0
+    needed: int = 0
+
+    def overdue(self, rate: int) -> UploadRefused:
+        """The refusal of an upload whose body did not arrive whole by its deadline."""
+        return UploadRefused(
+            408,
+            "INGEST_BODY_TIMEOUT",
+            f"the body did not arrive within {self.allowed_sec:g} s, the time given to an upload "
+            f"of {self.needed} bytes (at least {rate} bytes/s); the upload is abandoned",
+            self.reading,
+        )
 
     def mismatch(self, part: str, what: str) -> UploadRefused:
         """The refusal of a part that is not what the manifest declared."""
@@ -165,6 +188,7 @@ class RecordingFiles:
         public_base_url: str | None = None,
         max_concurrent_uploads: int = MAX_CONCURRENT_UPLOADS,
         body_idle_timeout_sec: float = BODY_IDLE_TIMEOUT_SEC,
+        min_upload_bytes_per_sec: int = MIN_UPLOAD_BYTES_PER_SEC,
         min_free_bytes: int = MIN_FREE_BYTES,
         busy_retry_after_sec: int = BUSY_RETRY_AFTER_SEC,
         full_retry_after_sec: int = FULL_RETRY_AFTER_SEC,
@@ -177,12 +201,18 @@ class RecordingFiles:
         self.incoming = root / INCOMING
         self.max_concurrent_uploads = max_concurrent_uploads
         self.body_idle_timeout_sec = body_idle_timeout_sec
+        self.min_upload_bytes_per_sec = min_upload_bytes_per_sec
         self.min_free_bytes = min_free_bytes
         self.busy_retry_after_sec = busy_retry_after_sec
         self.full_retry_after_sec = full_retry_after_sec
         # Uploads holding a slot, and the bytes they declared and have not written yet.
         self.uploading = 0
         self.reserved_bytes = 0
+        # The recordingIds being received: one upload of each at a time.
+        self.receiving: set[str] = set()
+        # Uploads whose body the receiver began to read (those refused from their headers
+        # alone are not counted).
+        self.bodies_read = 0
 
     def prepare(self) -> None:
         """Create the directories, and remove what uploads cut off by a crash left in
@@ -227,10 +257,31 @@ class RecordingFiles:
         found = os.statvfs(self.root)
         return found.f_bavail * found.f_frsize
 
-    async def admit(self, upload: _Upload, needed: int) -> None:
+    def claim(self, upload: _Upload, recording_id: str) -> None:
+        """Make the upload the one of `recording_id` being received, or refuse it with 503 (and
+        Retry-After: the consumer tries it again) when another upload of it is: a request
+        replayed meanwhile, or a retry while the first attempt is still arriving. Not 409, which
+        a consumer takes for "already kept"."""
+        if recording_id in self.receiving:
+            raise UploadRefused(
+                503,
+                "INGEST_BUSY",
+                f"recording {recording_id} is being uploaded already; try again once that "
+                "upload ends",
+                "recordingId",
+                retry_after=self.busy_retry_after_sec,
+            )
+        self.receiving.add(recording_id)
+        upload.claimed = recording_id
+
+    async def admit(self, upload: _Upload, needed: int, recording_id: str | None = None) -> None:
         """Give the upload a slot and reserve `needed` bytes of the store's disk for it, or
-        refuse it: 503 when every slot is taken, 507 when keeping it (and what the uploads in
-        flight declared) would leave less than min_free_bytes free."""
+        refuse it: 503 when every slot is taken or `recording_id` is being received already, 507
+        when keeping it (and what the uploads in flight declared) would leave less than
+        min_free_bytes free. Its body must then arrive within body_idle_timeout_sec and `needed`
+        bytes at min_upload_bytes_per_sec."""
+        if recording_id is not None and recording_id in self.receiving:
+            self.claim(upload, recording_id)  # refused
         if self.uploading >= self.max_concurrent_uploads:
             raise UploadRefused(
                 503,
@@ -241,6 +292,11 @@ class RecordingFiles:
             )
         self.uploading += 1
         upload.admitted = True
+        if recording_id is not None:
+            self.claim(upload, recording_id)
+        upload.needed = needed
+        upload.allowed_sec = self.body_idle_timeout_sec + needed / self.min_upload_bytes_per_sec
+        upload.deadline = asyncio.get_running_loop().time() + upload.allowed_sec
         free = await asyncio.to_thread(self.free_bytes)
         left = free - self.reserved_bytes - needed
         if left < self.min_free_bytes:
@@ -266,6 +322,9 @@ class RecordingFiles:
         if upload.admitted:
             upload.admitted = False
             self.uploading -= 1
+        if upload.claimed is not None:
+            self.receiving.discard(upload.claimed)
+            upload.claimed = None
         self.reserved_bytes -= upload.reserved
         upload.reserved = 0
 
@@ -368,18 +427,37 @@ def _needed(request: web.Request, files: RecordingFiles, manifest: RecordingMani
 # -- the body --------------------------------------------------------------------------------------
 
 
-async def _arriving(read: Awaitable[T], upload: _Upload, idle_sec: float) -> T:
-    """`read`, unless no more of the body arrives for `idle_sec`: then the upload is abandoned."""
+async def _arriving(read: Awaitable[T], files: RecordingFiles, upload: _Upload) -> T:
+    """`read`, unless no more of the body arrives for body_idle_timeout_sec, or the upload's
+    deadline passes first: then the upload is abandoned."""
+    idle_sec = files.body_idle_timeout_sec
+    now = asyncio.get_running_loop().time()
+    deadline = upload.deadline
+    overall = deadline is not None and deadline - now < idle_sec
+    if overall:
+        assert deadline is not None
+        if deadline <= now:
+            _close(read)
+            raise upload.overdue(files.min_upload_bytes_per_sec)
     try:
-        async with asyncio.timeout(idle_sec):
+        async with asyncio.timeout_at(deadline) if overall else asyncio.timeout(idle_sec):
             return await read
     except TimeoutError:
+        if overall:
+            raise upload.overdue(files.min_upload_bytes_per_sec) from None
         raise UploadRefused(
             408,
             "INGEST_BODY_TIMEOUT",
             f"no more of the body arrived for {idle_sec:g} s; the upload is abandoned",
             upload.reading,
         ) from None
+
+
+def _close(read: Awaitable[object]) -> None:
+    """Close a coroutine that will not be awaited (no "never awaited" warning)."""
+    close = getattr(read, "close", None)
+    if close is not None:
+        close()
 
 
 def _check_complete(part: BodyPartReader, name: str) -> None:
@@ -393,8 +471,7 @@ async def _read_small(
 ) -> bytes:
     """A small part, whole; `over` when it goes past `limit` bytes."""
     data = bytearray()
-    idle = files.body_idle_timeout_sec
-    while chunk := await _arriving(part.read_chunk(CHUNK_BYTES), upload, idle):
+    while chunk := await _arriving(part.read_chunk(CHUNK_BYTES), files, upload):
         data += chunk
         if len(data) > limit:
             raise over
@@ -427,9 +504,8 @@ async def _stream_audio(part: BodyPartReader, files: RecordingFiles, upload: _Up
     handle, upload.audio_part = await asyncio.to_thread(_create_part, upload.incoming, "audio-")
     digest = hashlib.sha256()
     size = 0
-    idle = files.body_idle_timeout_sec
     with os.fdopen(handle, "wb") as out:
-        while chunk := await _arriving(part.read_chunk(CHUNK_BYTES), upload, idle):
+        while chunk := await _arriving(part.read_chunk(CHUNK_BYTES), files, upload):
             size += len(chunk)
             if size > limit:
                 if manifest is not None:
@@ -484,6 +560,9 @@ async def _read_id(part: BodyPartReader, files: RecordingFiles, upload: _Upload,
     sent = upload.sent[name] = raw.decode("utf-8", "replace")
     upload.ids[name] = _uuid(sent.strip(), name)
     manifest = upload.manifest
+    if name == "recordingId" and manifest is None:
+        # Without a manifest the recordingId is known only now.
+        files.claim(upload, upload.ids[name])
     if manifest is not None:
         declared = manifest.call_log_id if name == "callLogId" else manifest.recording_id
         if sent != declared:
@@ -495,6 +574,7 @@ async def _read_parts(request: web.Request, files: RecordingFiles, upload: _Uplo
         raise UploadRefused(
             415, "INGEST_UNSUPPORTED_MEDIA_TYPE", "Content-Type must be multipart/form-data"
         )
+    files.bodies_read += 1
     try:
         await _read_each_part(request, files, upload)
     except (AssertionError, ValueError, HttpProcessingError) as exc:
@@ -513,10 +593,9 @@ async def _read_parts(request: web.Request, files: RecordingFiles, upload: _Uplo
 async def _read_each_part(request: web.Request, files: RecordingFiles, upload: _Upload) -> None:
     reader = await request.multipart()
     seen = upload.seen
-    idle = files.body_idle_timeout_sec
     while True:
         upload.reading = None
-        part = await _arriving(reader.next(), upload, idle)
+        part = await _arriving(reader.next(), files, upload)
         if part is None:
             break
         if not isinstance(part, BodyPartReader):
@@ -654,8 +733,9 @@ async def ingest_recording_file(request: web.Request) -> web.Response:
     upload = _Upload(signed=bool(secrets))
     try:
         # Nothing of the body is read before the upload is authenticated and admitted.
-        upload.manifest = _authenticated_manifest(request, files, secrets)
-        await files.admit(upload, _needed(request, files, upload.manifest))
+        manifest = upload.manifest = _authenticated_manifest(request, files, secrets)
+        recording = None if manifest is None else _uuid(manifest.recording_id, "recordingId")
+        await files.admit(upload, _needed(request, files, manifest), recording)
         await _read_parts(request, files, upload)
         call_log_id, recording_id = upload.ids["callLogId"], upload.ids["recordingId"]
         created = await asyncio.to_thread(_keep, files, upload, call_log_id, recording_id)

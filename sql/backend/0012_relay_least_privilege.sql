@@ -70,6 +70,29 @@
 --   role call nextval() on the count, and so make every producer send a NOTIFY until the next
 --   recount; SELECT on it, and every grant on the schema sync, are left as they are (they let a
 --   producer read names and a counter, and write nothing the consumer delivers).
+-- * No code chosen by a role other than the table's owner runs inside the relay. to_json calls
+--   a column type's cast to json, made by whoever owns the type (also for the element type of
+--   an array, the base type of a domain, the attributes' types of a composite, recursively),
+--   and the rekey check calls the key's `=` and evaluates the table's policies, all as
+--   serversync_relay: a producer owning such a type, cast function or operator could have the
+--   relay write any event. sync.track (through sync.relay_refusal) refuses, SQLSTATE 42501
+--   with a HINT, a table where any of them belongs to a role that is no superuser, not the
+--   table's owner and not a role the owner is a member of. The owner itself is trusted like
+--   the migrating role (docs/security.md, Roles and grants).
+-- * sync.track refuses a table with a RESTRICTIVE policy: the permissive sync_relay_rekey does
+--   not override it, so it would run its code as serversync_relay and hide rows from the rekey
+--   check, which then finds no key taken and, when keys are swapped in one statement of a
+--   partitioned table, sends a delete of a live entity. sync.track cannot stop one being added
+--   later: the rekey check then refuses the key change (SQLSTATE 42501, the producer's
+--   statement fails) before the policy is read, whenever a RESTRICTIVE policy for SELECT
+--   applies to it; other writes are relayed as before. Failing the write was chosen over a
+--   check that sees only part of the table (a wrong delete downstream) and over skipping the
+--   check.
+-- * The regeneration at the end of this migration does not fail for a table tracked before
+--   that sync.track now refuses: it removes that table's relay (sync.untrack) with a WARNING
+--   naming the table, why, and the sync.track call to run once fixed. Until then the table's
+--   writes are NOT relayed. Its old relay could not stay: it ran as the writer, which this
+--   migration takes the outbox away from.
 -- * sync.refuse_empty_key gets the same fixed search_path: it names no object, and its message
 --   names the table schema-qualified whatever the caller's search_path ("a row of
 --   public.gadgets has an empty or NULL key"). It needs no SECURITY DEFINER, having nothing to
@@ -267,6 +290,119 @@ LANGUAGE sql STABLE AS $$
        AND NOT a.attisdropped;
 $$;
 
+-- Why sync.track refuses a table, as {message, hint}, or NULL when it does not. Code chosen by
+-- a role other than the table's owner must never run inside the relay, which runs as
+-- serversync_relay: to_json calls a column type's cast to json (one made by whoever owns the
+-- type, with a function of anyone's), for an array, domain or composite type that of its
+-- element, base or attribute types too; the rekey check calls the key's `=` operator and reads
+-- the table under its row level security policies. Trusted: superusers, the table's owner and
+-- the roles it is a member of. A RESTRICTIVE policy is refused whoever owns what it calls: the
+-- permissive policy sync_relay_rekey does not override it, and a rekey check that cannot see
+-- every row finds no key taken and sends a delete of a live entity.
+CREATE OR REPLACE FUNCTION sync.relay_refusal(target regclass, key_column text)
+RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    table_owner oid := (SELECT c.relowner FROM pg_class c WHERE c.oid = target);
+    found record;
+    key_type text;
+    equals oid;
+BEGIN
+    FOR found IN
+        WITH RECURSIVE types(column_name, type_oid) AS (
+            SELECT a.attname::text, a.atttypid
+              FROM pg_attribute a
+             WHERE a.attrelid = target AND a.attnum > 0 AND NOT a.attisdropped
+            UNION
+            SELECT t.column_name, inner_type.oid
+              FROM types t
+                   JOIN pg_type ty ON ty.oid = t.type_oid
+                   CROSS JOIN LATERAL (
+                       SELECT ty.typelem WHERE ty.typelem <> 0             -- array elements
+                       UNION ALL
+                       SELECT ty.typbasetype WHERE ty.typtype = 'd'        -- a domain's base
+                       UNION ALL
+                       SELECT a.atttypid FROM pg_attribute a               -- a composite's
+                        WHERE ty.typtype = 'c' AND a.attrelid = ty.typrelid
+                          AND a.attnum > 0 AND NOT a.attisdropped
+                       UNION ALL
+                       SELECT r.rngsubtype FROM pg_range r                 -- a range's
+                        WHERE r.rngtypid = ty.oid OR r.rngmultitypid = ty.oid
+                   ) AS inner_type(oid)
+        ),
+        -- What runs for each type: the type itself (its owner makes its casts) and the
+        -- functions of its casts to json and jsonb.
+        owned(column_name, what, owner) AS (
+            SELECT t.column_name, format('its type %s', ty.oid::regtype), ty.typowner
+              FROM types t JOIN pg_type ty ON ty.oid = t.type_oid
+            UNION ALL
+            SELECT t.column_name,
+                   format('the cast of its type %s to %s, function %s', c.castsource::regtype,
+                          c.casttarget::regtype, p.oid::regprocedure),
+                   p.proowner
+              FROM types t
+                   JOIN pg_cast c ON c.castsource = t.type_oid
+                                 AND c.casttarget IN ('json'::regtype, 'jsonb'::regtype)
+                   JOIN pg_proc p ON p.oid = c.castfunc
+        )
+        SELECT o.column_name, o.what, o.owner::regrole::text AS owner
+          FROM owned o JOIN pg_roles r ON r.oid = o.owner
+         WHERE NOT r.rolsuper AND NOT pg_has_role(table_owner, o.owner, 'MEMBER')
+         ORDER BY o.column_name, o.what
+         LIMIT 1
+    LOOP
+        RETURN ARRAY[
+            format('sync.track: column %I of table %s: %s belongs to role %s, which is neither '
+                   'a superuser nor the table''s owner: the relay would run its code as '
+                   'serversync_relay', found.column_name, target, found.what, found.owner),
+            format('Have %s owned by the table''s owner or a superuser (ALTER TYPE ... OWNER TO, '
+                   'ALTER FUNCTION ... OWNER TO, or DROP CAST), or change the column''s type, '
+                   'then track the table again.', found.what)
+        ];
+    END LOOP;
+    -- The key's equality operator, as sync.track picks it (the caller's search_path).
+    SELECT format_type(a.atttypid, NULL) INTO key_type
+      FROM pg_attribute a
+     WHERE a.attrelid = target AND a.attname = key_column AND a.attnum > 0
+       AND NOT a.attisdropped;
+    equals := to_regoperator(format('=(%s,%s)', key_type, key_type));
+    FOR found IN
+        SELECT format('operator %s', o.oid::regoperator) AS what, o.oprowner::regrole::text AS owner
+          FROM pg_operator o JOIN pg_roles r ON r.oid = o.oprowner
+         WHERE o.oid = equals AND NOT r.rolsuper AND NOT pg_has_role(table_owner, o.oprowner, 'MEMBER')
+        UNION ALL
+        SELECT format('function %s of operator %s', p.oid::regprocedure, o.oid::regoperator),
+               p.proowner::regrole::text
+          FROM pg_operator o JOIN pg_proc p ON p.oid = o.oprcode
+               JOIN pg_roles r ON r.oid = p.proowner
+         WHERE o.oid = equals AND NOT r.rolsuper AND NOT pg_has_role(table_owner, p.proowner, 'MEMBER')
+         LIMIT 1
+    LOOP
+        RETURN ARRAY[
+            format('sync.track: key column %I of table %s: the rekey check compares it with %s, '
+                   'which belongs to role %s, neither a superuser nor the table''s owner: the '
+                   'relay would run its code as serversync_relay',
+                   key_column, target, found.what, found.owner),
+            'Give it to the table''s owner or a superuser, or set a search_path in which `=` '
+            'for the key''s type is a trusted operator, then track the table again.'
+        ];
+    END LOOP;
+    FOR found IN
+        SELECT p.polname FROM pg_policy p
+         WHERE p.polrelid = target AND NOT p.polpermissive
+         ORDER BY p.polname LIMIT 1
+    LOOP
+        RETURN ARRAY[
+            format('sync.track: table %s has the RESTRICTIVE policy %I: the rekey check must see '
+                   'every row of the table, and the relay would run the policy''s code as '
+                   'serversync_relay', target, found.polname),
+            'Drop the policy, or make it PERMISSIVE, then track the table again.'
+        ];
+    END LOOP;
+    RETURN NULL;
+END;
+$$;
+
 CREATE OR REPLACE FUNCTION sync.track(
     target      regclass,
     entity_type text,
@@ -306,6 +442,7 @@ DECLARE
     new_row text;
     old_row text;
     body text;
+    refusal text[];
 BEGIN
     IF entity_type IS NULL OR entity_type !~ '^[A-Za-z_][A-Za-z0-9_.-]{0,127}$' THEN
         RAISE EXCEPTION 'sync.track: entity type % is not an identifier', quote_literal(entity_type)
@@ -324,6 +461,12 @@ BEGIN
     IF NOT pg_has_role(current_user, table_owner, 'USAGE') THEN
         RAISE EXCEPTION 'sync.track: only the owner of table % may track it', target
             USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    -- No code of a role other than the table's owner may run inside the relay.
+    refusal := sync.relay_refusal(target, key_column);
+    IF refusal IS NOT NULL THEN
+        RAISE EXCEPTION '%', refusal[1]
+            USING ERRCODE = 'insufficient_privilege', HINT = refusal[2];
     END IF;
     -- Who the generated functions run as: serversync_relay, when it exists and the caller may
     -- hand objects to it; else the caller, which must then be able to write the outbox.
@@ -412,7 +555,25 @@ BEGIN
             -- Generated by sync.track (sql/backend/0012_relay_least_privilege.sql). Runs only
             -- when a key changed, so the lookup may be planned on every call. The table is
             -- named from its oid when the lookup runs, so a renamed table is still found; a
-            -- partitioned one is read through its parent, whose rows hold the key.
+            -- partitioned one is read through its parent, whose rows hold the key. A
+            -- RESTRICTIVE policy added since sync.track would hide rows from the check (a key
+            -- taken would go unseen, and a live entity be deleted downstream) and run its
+            -- code as this role: the key change is refused instead, before the policy is read.
+            IF pg_catalog.row_security_active(%4$L::oid) AND EXISTS (
+                SELECT 1 FROM pg_catalog.pg_policy p
+                 WHERE p.polrelid = %4$L::oid AND NOT p.polpermissive
+                   AND p.polcmd IN ('r', '*')
+                   AND (0::oid OPERATOR(pg_catalog.=) ANY (p.polroles)
+                        OR EXISTS (SELECT 1 FROM pg_catalog.unnest(p.polroles) AS r(oid)
+                                    WHERE pg_catalog.pg_has_role(r.oid, 'MEMBER')))
+            ) THEN
+                RAISE EXCEPTION 'serversync: the key of a row of %% changed, and the table has a '
+                                'RESTRICTIVE policy, which hides rows from the relay''s check '
+                                'that no other row took the old key', %4$L::oid::regclass
+                    USING ERRCODE = 'insufficient_privilege',
+                          HINT = 'Drop the policy, or make it PERMISSIVE, then run sync.track '
+                                 'on the table again.';
+            END IF;
             EXECUTE format('SELECT EXISTS (SELECT 1 FROM %%s AS t WHERE t.%%I %%s $1)',
                            %4$L::oid::regclass, %1$L, %3$L)
                 INTO key_taken USING OLD.%1$I;
@@ -557,7 +718,30 @@ BEGIN
 END;
 $$;
 
-REVOKE EXECUTE ON FUNCTION sync.track(regclass, text, text), sync.untrack(regclass) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION sync.track(regclass, text, text), sync.untrack(regclass),
+    sync.relay_refusal(regclass, text) FROM PUBLIC;
 
--- Regenerate the relay of every tracked table.
-SELECT sync.track(table_name, entity_type, key_column) FROM sync.tracked_tables;
+-- Regenerate the relay of every tracked table. One that sync.track now refuses loses its relay,
+-- with a WARNING, rather than failing the whole upgrade: its old functions ran as the writer,
+-- which may no longer write the outbox, and must not stay.
+DO $regenerate$
+DECLARE
+    tracked record;
+    refusal text[];
+BEGIN
+    FOR tracked IN SELECT table_name, entity_type, key_column FROM sync.tracked_tables LOOP
+        refusal := sync.relay_refusal(tracked.table_name, tracked.key_column);
+        IF refusal IS NULL THEN
+            PERFORM sync.track(tracked.table_name, tracked.entity_type, tracked.key_column);
+        ELSE
+            PERFORM sync.untrack(tracked.table_name);
+            RAISE WARNING 'serversync: table % is no longer tracked (entity type %): its changes '
+                          'are NOT relayed from now on, and its relay was removed. %',
+                          tracked.table_name, quote_literal(tracked.entity_type), refusal[1]
+                USING HINT = refusal[2] || format(' Then: SELECT sync.track(%L, %L, %L);',
+                                                  tracked.table_name::text,
+                                                  tracked.entity_type, tracked.key_column);
+        END IF;
+    END LOOP;
+END
+$regenerate$;
