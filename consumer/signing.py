@@ -50,10 +50,9 @@ def check_headers(
     is refused here, so that nothing later compares or encodes it."""
     if not timestamp or not given:
         return f"missing {TIMESTAMP_HEADER} or {SIGNATURE_HEADER} header"
-    if not _TIMESTAMP.fullmatch(timestamp):
-        return f"{TIMESTAMP_HEADER} is not a unix timestamp"
-    if not _SIGNATURE.fullmatch(given):
-        return f"{SIGNATURE_HEADER} is not {_SCHEME} and 64 lower-case hex digits"
+    malformed = malformed_headers(timestamp, given)
+    if malformed is not None:
+        return malformed
     sent_at = int(timestamp)
     current = time.time() if now is None else now
     if abs(current - sent_at) > MAX_SKEW_SEC:

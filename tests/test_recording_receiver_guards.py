@@ -437,6 +437,16 @@ async def test_a_body_that_stops_arriving_is_abandoned_after_the_idle_timeout(
         assert kept(idle.root) == NOTHING
 
 
+async def paced(body: bytes, piece: int, rate: float) -> AsyncIterator[bytes]:
+    """`body` sent `piece` bytes at a time at `rate` bytes/s, on an absolute schedule (no drift
+    from late wake-ups)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for start in range(0, len(body), piece):
+        await asyncio.sleep(max(0.0, started + start / rate - loop.time()))
+        yield body[start : start + piece]
+
+
 async def test_a_slow_body_that_keeps_arriving_is_not_cut_off(
     receiver_dsn: str, tmp_path: Path
 ) -> None:
@@ -452,18 +462,14 @@ async def test_a_slow_body_that_keeps_arriving_is_not_cut_off(
         recording = Upload(audio=noise(64 * 1024))
         body, content_type = await multipart(recording.parts())
 
-        async def trickle() -> AsyncIterator[bytes]:
-            # The sender's pace, not a wait for the receiver: six pieces 0.4 s apart take
-            # longer than the idle timeout, but no gap between two reads does.
-            step = len(body) // 6 + 1
-            for start in range(0, len(body), step):
-                yield body[start : start + step]
-                await asyncio.sleep(0.4)
-
+        # The sender's pace, not a wait for the receiver: six pieces 0.4 s apart take longer
+        # than the idle timeout, but no gap between two reads does.
+        step = len(body) // 6 + 1
+        trickle = paced(body, step, rate=step / 0.4)
         started = time.monotonic()
         async with aiohttp.ClientSession() as client:
             status, reply = await post(
-                client, idle.url, trickle(), content_type=content_type, headers=recording.signed()
+                client, idle.url, trickle, content_type=content_type, headers=recording.signed()
             )
         assert time.monotonic() - started > 2.0
         assert status == 200, reply
@@ -471,16 +477,6 @@ async def test_a_slow_body_that_keeps_arriving_is_not_cut_off(
 
 
 KIB = 1024
-
-
-async def paced(body: bytes, piece: int, rate: float) -> AsyncIterator[bytes]:
-    """`body` sent `piece` bytes at a time at `rate` bytes/s, on an absolute schedule (no drift
-    from late wake-ups)."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    for start in range(0, len(body), piece):
-        await asyncio.sleep(max(0.0, started + start / rate - loop.time()))
-        yield body[start : start + piece]
 
 
 async def test_a_trickling_upload_is_cut_off_by_its_overall_deadline(

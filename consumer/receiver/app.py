@@ -136,6 +136,11 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
         return response
 
 
+# How soon a client turned away because too many bodies are being read may try again (a read
+# ends within its deadline; an upload slot, recordings.BUSY_RETRY_AFTER_SEC, takes longer).
+BODIES_BUSY_RETRY_AFTER_SEC = 1
+
+
 @dataclass
 class BodyReads:
     """How bodies of /api/ingest/ requests are read: at most `max_concurrent` at once (one more
@@ -155,7 +160,7 @@ class BodyReads:
             response = error_response(
                 503, "INGEST_BUSY", f"{self.max_concurrent} request bodies are being read"
             )
-            response.headers[hdrs.RETRY_AFTER] = str(BUSY_RETRY_AFTER_SEC)
+            response.headers[hdrs.RETRY_AFTER] = str(BODIES_BUSY_RETRY_AFTER_SEC)
             return response
         declared = request.content_length or max_body_bytes
         deadline = self.idle_timeout + declared / self.min_rate
@@ -170,10 +175,6 @@ class BodyReads:
             )
         finally:
             self.reading -= 1
-
-
-# How soon a client turned away because too many bodies are being read may try again.
-BUSY_RETRY_AFTER_SEC = 1
 
 
 def ingest_guard(
