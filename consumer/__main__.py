@@ -1,3 +1,3 @@
-from consumer.cli import main
+from consumer.app.cli import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
--- Named, parameterised queries of serversync (loaded by consumer/queries.py).
+-- Named, parameterised queries of serversync (loaded by consumer/store/queries.py).
 -- A block starts with "-- name: NAME" and runs to the next such line.
 
 -- name: read_batch
@@ -309,7 +309,7 @@ ON CONFLICT (consumer, seq) DO NOTHING;
 
 -- recording-upload --------------------------------------------------------------------------
 -- The backend's recordings rows (sql/examples/voicebot.sql), read and marked by the
--- recording-upload sink and, for parked uploads, by its wiring (consumer/wiring.py).
+-- recording-upload sink and, for parked uploads, by its wiring (consumer/app/wiring.py).
 
 -- name: recordings_table
 SELECT to_regclass('public.recordings') IS NOT NULL AS present;

@@ -22,15 +22,15 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from psycopg import sql
 
-from consumer import migrations
-from consumer.db import with_dbname
-from consumer.devdb import PrivateCluster, Server, locate_server, start_private_cluster
+from consumer.app.settings import SyncSettings
+from consumer.app.wiring import consumer_runtime, open_pool
+from consumer.devtools.devdb import PrivateCluster, Server, locate_server, start_private_cluster
 from consumer.receiver.app import build_app
-from consumer.receiver.recordings import RecordingFiles
 from consumer.receiver.store import EntityStore
+from consumer.receiver.uploads import RecordingFiles
 from consumer.runtime.worker import ConsumerRuntime
-from consumer.settings import SyncSettings
-from consumer.wiring import consumer_runtime, open_pool
+from consumer.store import migrations
+from consumer.store.db import with_dbname
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND_COMPONENTS = ["backend"]

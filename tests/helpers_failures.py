@@ -18,9 +18,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from consumer.app.wiring import open_pool
 from consumer.receiver.app import build_app
 from consumer.receiver.store import EntityStore
-from consumer.wiring import open_pool
 from tests.conftest import fetch_all, serve_app
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -19,11 +19,11 @@ import psycopg
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from consumer.demo import tone_wav
-from consumer.devdb import free_port
-from consumer.events import Position
+from consumer.core.events import Position
+from consumer.devtools.demo import tone_wav
+from consumer.devtools.devdb import free_port
 from consumer.receiver.app import Handler
-from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles
+from consumer.receiver.uploads import UPLOAD_PATH, RecordingFiles
 from tests.conftest import fetch_all, serve_receiver, wait_until
 from tests.helpers_processes import Processes, ServersyncProcess, outbox_end, process_env
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from consumer.events import Batch, Position
+from consumer.app.wiring import open_pool
+from consumer.core.events import Batch, Position
 from consumer.store.outbox import OutboxStore
-from consumer.wiring import open_pool
 from tests.conftest import fetch_all
 from tests.helpers_processes import insert_calls
 

@@ -17,9 +17,9 @@ import orjson
 import psycopg
 import pytest
 
-from consumer.db import application_name
-from consumer.events import Position
+from consumer.core.events import Position
 from consumer.store import retention
+from consumer.store.db import application_name
 from consumer.store.retention import CleanupReport, parse_duration
 from tests.conftest import (
     CliResult,

@@ -20,9 +20,8 @@ import pytest
 from aiohttp import web
 from psycopg import conninfo
 
-from consumer import migrations
-from consumer.devdb import Server, free_port
-from consumer.store import admin
+from consumer.devtools.devdb import Server, free_port
+from consumer.store import admin, migrations
 from tests.conftest import (
     CliResult,
     cli_env,

@@ -21,8 +21,8 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from consumer.devdb import free_port
-from consumer.events import Batch, Failure
+from consumer.core.events import Batch, Failure
+from consumer.devtools.devdb import free_port
 from consumer.runtime.backoff import Backoff
 from consumer.runtime.worker import RETRY_AFTER_CEILING_SEC, RETRY_AFTER_FLOOR_SEC, retry_delay
 from consumer.sinks.http import failure_of

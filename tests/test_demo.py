@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumer.devdb import Server
+from consumer.devtools.devdb import Server
 from tests.conftest import cli_env, finish, start_cli
 from tests.test_cli import assert_ok
 

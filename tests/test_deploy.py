@@ -18,7 +18,7 @@ import pytest
 from pydantic import AliasChoices
 from pydantic_settings import BaseSettings
 
-from consumer.settings import ConfigError, ReceiverSettings, SyncSettings, load
+from consumer.app.settings import ConfigError, ReceiverSettings, SyncSettings, load
 
 # The metrics every consumer process exports on GET /metrics (Prometheus names, as written by the
 # OpenTelemetry Prometheus exporter). The dashboard and the alert rules may name only these (and a
@@ -63,7 +63,7 @@ EXPECTED_ALERTS = (
     "ServersyncDeliveryFailing",
     "ServersyncNoLeader",
 )
-# Settings the env examples document that are not fields of consumer/settings.py.
+# Settings the env examples document that are not fields of consumer/app/settings.py.
 EXTRA_CONSUMER_SETTINGS = frozenset({"OTEL_EXPORTER_OTLP_ENDPOINT"})
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")

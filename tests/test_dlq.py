@@ -21,9 +21,9 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from consumer.devdb import free_port
-from consumer.settings import SyncSettings
-from consumer.wiring import consumer_runtime, serve_ops_http
+from consumer.app.settings import SyncSettings
+from consumer.app.wiring import consumer_runtime, serve_ops_http
+from consumer.devtools.devdb import free_port
 from tests.conftest import (
     CliResult,
     cli_env,

@@ -9,8 +9,8 @@ from openapi_spec_validator import validate
 from openapi_spec_validator.readers import read_from_filename
 
 from consumer.receiver.app import build_app
-from consumer.receiver.recordings import RecordingFiles
 from consumer.receiver.store import EntityStore
+from consumer.receiver.uploads import RecordingFiles
 
 OPENAPI = Path(__file__).resolve().parent.parent / "docs" / "openapi.yaml"
 

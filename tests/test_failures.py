@@ -28,15 +28,15 @@ import orjson
 import psycopg
 import pytest
 
-from consumer import signing
-from consumer.devdb import free_port
-from consumer.events import Position
+from consumer.app.wiring import open_pool
+from consumer.core.events import Position
+from consumer.devtools.devdb import free_port
+from consumer.observability.telemetry import JsonFormatter, TextFormatter
 from consumer.runtime.worker import ConsumerRuntime
 from consumer.sinks.frontend_sync import FrontendSyncSink
 from consumer.store import admin
 from consumer.store.outbox import OutboxStore
-from consumer.telemetry import JsonFormatter, TextFormatter
-from consumer.wiring import open_pool
+from consumer.wire import signing
 from tests.conftest import (
     cli_env,
     fetch_all,

@@ -26,7 +26,7 @@ import orjson
 import schemathesis
 import yaml
 
-from consumer.signing import MANIFEST_HEADER, RecordingManifest
+from consumer.wire.signing import MANIFEST_HEADER, RecordingManifest
 from tests.conftest import ROOT
 from tests.helpers_processes import ServersyncProcess, process_env
 

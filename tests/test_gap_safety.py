@@ -23,16 +23,16 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from consumer.devdb import PrivateCluster
-from consumer.events import Batch, Position, Sink
-from consumer.queries import query
+from consumer.app.wiring import open_pool
+from consumer.core.events import Batch, Position, Sink
+from consumer.devtools.devdb import PrivateCluster
 from consumer.runtime.wakeup import NotifyListener
 from consumer.runtime.worker import ConsumerRuntime, RuntimeConfig
 from consumer.sinks.frontend_sync import FrontendSyncSink
 from consumer.store.admin import plan_reset
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import OutboxStore, ReadResult
-from consumer.wiring import open_pool
+from consumer.store.queries import query
 from tests.conftest import Databases, fetch_all, fetch_value, wait_until, waiting_for_notify
 
 CONSUMER = "frontend-sync"

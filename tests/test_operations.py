@@ -20,10 +20,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from consumer.deadletters import DeadLetters
-from consumer.devdb import PrivateCluster, free_port
+from consumer.app.wiring import dlq_sinks, open_pool
+from consumer.devtools.devdb import PrivateCluster, free_port
+from consumer.ops.deadletters import DeadLetters
 from consumer.store.dlq import DlqStore
-from consumer.wiring import dlq_sinks, open_pool
 from tests.conftest import (
     Databases,
     cli_env,

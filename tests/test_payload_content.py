@@ -21,12 +21,12 @@ import psycopg
 import pytest
 from aiohttp import web
 
-from consumer.events import DeadLetter, Position
-from consumer.redact import safe_error
+from consumer.app.wiring import consumer_runtime, open_pool, serve_ops_http
+from consumer.core.events import DeadLetter, Position
+from consumer.observability.redact import safe_error
 from consumer.sinks.recording_upload import wanted_recording
 from consumer.store.dlq import DlqStore
 from consumer.store.outbox import OutboxStore
-from consumer.wiring import consumer_runtime, open_pool, serve_ops_http
 from tests.conftest import (
     cli_env,
     fetch_all,

@@ -19,9 +19,8 @@ import psycopg
 import pytest
 from psycopg import conninfo, sql
 
-from consumer import migrations
-from consumer.devdb import Server
-from consumer.store import retention
+from consumer.devtools.devdb import Server
+from consumer.store import migrations, retention
 from tests.conftest import (
     CliResult,
     cli_env,

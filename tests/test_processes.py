@@ -20,10 +20,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from consumer.devdb import PrivateCluster
-from consumer.events import Position
+from consumer.app.wiring import open_pool
+from consumer.core.events import Position
+from consumer.devtools.devdb import PrivateCluster
 from consumer.store.outbox import FencedError, OutboxStore
-from consumer.wiring import open_pool
 from tests.conftest import (
     WAITING_COUNT,
     Databases,

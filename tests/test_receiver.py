@@ -12,8 +12,8 @@ import orjson
 import psycopg
 import pytest
 
-from consumer.db import connect
 from consumer.store import admin
+from consumer.store.db import connect
 from tests.conftest import (
     Databases,
     fetch_all,

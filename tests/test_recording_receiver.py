@@ -26,8 +26,8 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from consumer.receiver.recordings import RecordingFiles
-from consumer.signing import (
+from consumer.receiver.uploads import RecordingFiles
+from consumer.wire.signing import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     RecordingManifest,

@@ -23,9 +23,10 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from consumer.receiver.recordings import CHUNK_BYTES, MIN_UPLOAD_BYTES_PER_SEC, RecordingFiles
-from consumer.settings import ReceiverSettings
-from consumer.signing import (
+from consumer.app.settings import ReceiverSettings
+from consumer.receiver.uploads import CHUNK_BYTES, MIN_UPLOAD_BYTES_PER_SEC, RecordingFiles
+from consumer.sinks.recording_upload import MIN_UPLOAD_RATE
+from consumer.wire.signing import (
     MANIFEST_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
@@ -34,7 +35,6 @@ from consumer.signing import (
     sign,
     signature,
 )
-from consumer.sinks.recording_upload import MIN_UPLOAD_RATE
 from tests.conftest import wait_until
 from tests.helpers_recordings import SECRET
 from tests.test_recording_receiver import (

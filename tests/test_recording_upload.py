@@ -17,14 +17,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from consumer.deadletters import DeadLetters
-from consumer.events import Position
+from consumer.app.settings import SyncSettings
+from consumer.app.wiring import dlq_sinks, open_pool
+from consumer.core.events import Position
+from consumer.ops.deadletters import DeadLetters
 from consumer.receiver.app import Handler
-from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles
-from consumer.settings import SyncSettings
-from consumer.sinks.local_recordings import RecordingsDir
+from consumer.receiver.uploads import UPLOAD_PATH, RecordingFiles
+from consumer.sinks.recording_files import RecordingsDir
 from consumer.store.dlq import DlqStore
-from consumer.wiring import dlq_sinks, open_pool
 from tests.conftest import (
     cli_env,
     fetch_all,

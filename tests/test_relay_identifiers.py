@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
 
-from consumer import migrations
+from consumer.store import migrations
 from tests.conftest import fetch_all
 
 EVENTS = "SELECT op, entity_id, payload::text FROM sync.events_outbox WHERE entity_type = %s"

@@ -23,12 +23,12 @@ import orjson
 import pytest
 from yarl import URL
 
-from consumer import signing
+from consumer.app.wiring import consumer_runtime, open_pool, serve_ops_http
+from consumer.observability.redact import printable
+from consumer.observability.telemetry import JsonFormatter, TextFormatter
 from consumer.receiver.app import BodyReads, build_app
 from consumer.receiver.store import EntityStore
-from consumer.redact import printable
-from consumer.telemetry import JsonFormatter, TextFormatter
-from consumer.wiring import consumer_runtime, open_pool, serve_ops_http
+from consumer.wire import signing
 from tests.conftest import fetch_value, make_settings, serve_app, wait_until
 from tests.helpers_failures import INGEST_PATH, CountingStore, serve_reference_receiver
 

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from consumer import signing
-from consumer.devdb import free_port
+from consumer.devtools.devdb import free_port
+from consumer.wire import signing
 from tests.conftest import cli_env, fetch_value, finish, start_cli, wait_until
 from tests.helpers_failures import reaped
 from tests.helpers_processes import insert_calls

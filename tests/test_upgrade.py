@@ -11,9 +11,9 @@ import orjson
 import psycopg
 import pytest
 
-from consumer import migrations
+from consumer.app.wiring import open_pool
 from consumer.receiver.store import EntityStore
-from consumer.wiring import open_pool
+from consumer.store import migrations
 from tests.conftest import fetch_all, make_settings, running_consumer, wait_until
 from tests.helpers_processes import insert_calls
 

@@ -8,7 +8,7 @@ import random
 
 import psycopg
 
-from consumer.queries import query
+from consumer.store.queries import query
 from tests.conftest import (
     WAITING_COUNT,
     fetch_all,

@@ -15,19 +15,19 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
-from consumer import signing
-from consumer.httpjson import (
+from consumer.observability.instruments import tracer
+from consumer.observability.redact import printable
+from consumer.receiver.guards import refusal_before_body
+from consumer.receiver.models import INGEST_REQUEST, describe, parse_body
+from consumer.receiver.store import EntityStore
+from consumer.receiver.uploads import UPLOAD_PATH, RecordingFiles, add_routes
+from consumer.wire import signing
+from consumer.wire.httpjson import (
     error_response,
     http_error_response,
     json_response,
     server_handler_args,
 )
-from consumer.instruments import tracer
-from consumer.receiver.guards import refusal_before_body
-from consumer.receiver.models import INGEST_REQUEST, describe, parse_body
-from consumer.receiver.recordings import UPLOAD_PATH, RecordingFiles, add_routes
-from consumer.receiver.store import EntityStore
-from consumer.redact import printable
 
 log = logging.getLogger("serversync.receiver")
 

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from aiohttp import hdrs, web
 
-from consumer import signing
-from consumer.httpjson import error_response
-from consumer.redact import printable
+from consumer.observability.redact import printable
+from consumer.wire import signing
+from consumer.wire.httpjson import error_response
 
 log = logging.getLogger("serversync.receiver")
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import psycopg
 
-from consumer.db import connect
 from consumer.runtime.backoff import Backoff
+from consumer.store.db import connect
 
 CHANNEL = "sync_outbox"
 log = logging.getLogger("serversync.wakeup")

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import psycopg
 from opentelemetry import trace
 
-from consumer import instruments
-from consumer.events import Batch, DeadLetter, DeliveryError, Failure, Position, Sink
-from consumer.redact import safe_error
+from consumer.core.events import Batch, DeadLetter, DeliveryError, Failure, Position, Sink
+from consumer.observability import instruments
+from consumer.observability.redact import safe_error
 from consumer.runtime.backoff import Backoff
 from consumer.runtime.pacing import ReadPacer
 from consumer.runtime.wakeup import NotifyListener

@@ -6,9 +6,9 @@ from typing import Any
 
 import aiohttp
 
-from consumer.events import Batch, DeliveryError
-from consumer.signing import sign
+from consumer.core.events import Batch, DeliveryError
 from consumer.sinks.http import HttpSink, answer_of, client_span
+from consumer.wire.signing import sign
 
 INGEST_PATH = "/api/ingest/sync"
 

@@ -18,9 +18,9 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
-from consumer.events import DeliveryError, Failure
-from consumer.instruments import tracer
-from consumer.redact import mask_secrets, safe_error
+from consumer.core.events import DeliveryError, Failure
+from consumer.observability.instruments import tracer
+from consumer.observability.redact import mask_secrets, safe_error
 
 
 class HttpSink:

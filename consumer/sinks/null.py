@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumer.events import Batch
+from consumer.core.events import Batch
 
 
 class NullSink:

@@ -11,7 +11,7 @@ the batch again: the receiver is idempotent by recordingId, a row already marked
 again, and files already gone are not an error.
 
 A recording the consumer parks in the dead-letter queue is marked 'failed' once the park is
-committed (consumer/wiring.py); the sink that redelivers it for an operator (for_dead_letters)
+committed (consumer/app/wiring.py); the sink that redelivers it for an operator (for_dead_letters)
 makes it 'pending' while it is tried, then 'uploaded', or 'failed' again.
 """
 
@@ -26,18 +26,18 @@ from typing import Any
 
 import aiohttp
 
-from consumer import failpoints
-from consumer.events import JSON_TEXT, Batch, DeliveryError, Failure, json_members
-from consumer.recordings import FAILED, PENDING, UPLOADED, RecordingLedger, RecordingRow
-from consumer.signing import RecordingManifest, manifest_headers
+from consumer.core import failpoints
+from consumer.core.events import JSON_TEXT, Batch, DeliveryError, Failure, json_members
+from consumer.core.recording_ledger import FAILED, PENDING, UPLOADED, RecordingLedger, RecordingRow
 from consumer.sinks.http import HttpSink, answer_of, client_span
-from consumer.sinks.local_recordings import (
+from consumer.sinks.recording_files import (
     FilesState,
     LocalRecording,
     PreparedUpload,
     RecordingsDir,
     open_regular,
 )
+from consumer.wire.signing import RecordingManifest, manifest_headers
 
 log = logging.getLogger("serversync.recording_upload")
 

@@ -11,8 +11,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from consumer.events import Position
-from consumer.queries import query
+from consumer.core.events import Position
+from consumer.store.queries import query
 
 
 class AdminError(Exception):

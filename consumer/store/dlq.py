@@ -21,9 +21,9 @@ import psycopg
 from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
-from consumer.events import JSON_TEXT, Batch, DeadLetter, Position, json_members
-from consumer.queries import query
-from consumer.redact import safe_error
+from consumer.core.events import JSON_TEXT, Batch, DeadLetter, Position, json_members
+from consumer.observability.redact import safe_error
+from consumer.store.queries import query
 
 MAX_PAGE_SIZE = 100
 DEFAULT_PAGE_SIZE = 20

@@ -13,8 +13,8 @@ from typing import Any
 
 import psycopg
 
-from consumer.db import connect
-from consumer.queries import query
+from consumer.store.db import connect
+from consumer.store.queries import query
 
 
 class LeaderLock:

@@ -13,10 +13,10 @@ import orjson
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from consumer.events import Batch, DeadLetter, Position
-from consumer.queries import query
-from consumer.redact import safe_error
+from consumer.core.events import Batch, DeadLetter, Position
+from consumer.observability.redact import safe_error
 from consumer.store.dlq import park_parameters
+from consumer.store.queries import query
 
 
 class FencedError(Exception):

@@ -27,10 +27,10 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from consumer.db import APPLICATION_PREFIX
-from consumer.events import Position
-from consumer.queries import query
+from consumer.core.events import Position
 from consumer.store.admin import AdminError, consumer_status, holding_consumer_lock
+from consumer.store.db import APPLICATION_PREFIX
+from consumer.store.queries import query
 
 log = logging.getLogger("serversync.retention")
 
@@ -394,7 +394,7 @@ async def find_consumer(conn: psycopg.AsyncConnection[Any], consumer: str) -> Re
 def leader_lock_prefix(consumer: str) -> str:
     """How the application_name of a consumer process's leader-lock session begins.
 
-    LeaderLock connects with role `leader:NAME` (consumer/db.py application_name, cut at 63
+    LeaderLock connects with role `leader:NAME` (consumer/store/db.py application_name, cut at 63
     characters as PostgreSQL does); cut short, the prefix may also match a consumer whose name
     extends this one, which only makes a removal refuse.
     """

@@ -9,7 +9,7 @@ from pydantic import AliasChoices, Field, HttpUrl, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from consumer.redact import mask_secrets
+from consumer.observability.redact import mask_secrets
 
 __all__ = ["ConfigError", "ReceiverSettings", "SyncSettings", "load"]
 
@@ -130,7 +130,7 @@ class SyncSettings(_Base):
     # Operator retries of a parked event before it is DEAD.
     dlq_max_retries: int = Field(3, ge=0, le=1000, validation_alias="SYNC_DLQ_MAX_RETRIES")
     # SYNC_SHARED_SECRET (in _Base): signs every request to the receiver (HMAC-SHA256, see
-    # consumer/signing.py) with its first secret.
+    # consumer/wire/signing.py) with its first secret.
     # The consumer process's HTTP port: /healthz, /readyz, /metrics, and the DLQ admin API
     # (off unless SYNC_ADMIN_TOKEN is set). Port 0 picks a free port (logged at start).
     http_host: str = Field("127.0.0.1", validation_alias="SYNC_HTTP_HOST")

@@ -13,14 +13,8 @@ from typing import Any
 
 import orjson
 
-from consumer import migrations
-from consumer.deadletters import DeadLetters
-from consumer.redact import printable
-from consumer.settings import ConfigError, ReceiverSettings, SyncSettings, load
-from consumer.store import admin, retention
-from consumer.store.dlq import DEFAULT_PAGE_SIZE, DlqError, DlqMessage, DlqStore
-from consumer.telemetry import setup_logging, setup_telemetry
-from consumer.wiring import (
+from consumer.app.settings import ConfigError, ReceiverSettings, SyncSettings, load
+from consumer.app.wiring import (
     CONSUMERS,
     SINKS,
     StartupError,
@@ -30,6 +24,11 @@ from consumer.wiring import (
     run_consumer,
     run_ingest_server,
 )
+from consumer.observability.redact import printable
+from consumer.observability.telemetry import setup_logging, setup_telemetry
+from consumer.ops.deadletters import DeadLetters
+from consumer.store import admin, migrations, retention
+from consumer.store.dlq import DEFAULT_PAGE_SIZE, DlqError, DlqMessage, DlqStore
 
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
@@ -251,7 +250,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
             telemetry.shutdown()
         return 0
     if command == "demo":
-        from consumer.demo import run_demo  # noqa: PLC0415 - only the demo needs it
+        from consumer.devtools.demo import run_demo  # noqa: PLC0415 - only the demo needs it
 
         setup_logging("WARNING", "text")
         return await run_demo(calls=args.calls)

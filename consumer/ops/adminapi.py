@@ -15,9 +15,8 @@ import psycopg
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from consumer.deadletters import DeadLetters
-from consumer.httpjson import error_response, http_error_response, json_response
-from consumer.redact import printable
+from consumer.observability.redact import printable
+from consumer.ops.deadletters import DeadLetters
 from consumer.store.dlq import (
     DEFAULT_PAGE_SIZE,
     DlqConflictError,
@@ -25,6 +24,7 @@ from consumer.store.dlq import (
     DlqNotFoundError,
     DlqValidationError,
 )
+from consumer.wire.httpjson import error_response, http_error_response, json_response
 
 log = logging.getLogger("serversync.adminapi")
 

@@ -34,9 +34,9 @@ import aiohttp
 import orjson
 import psycopg
 
-from consumer.db import mask_dsn
-from consumer.devdb import NoPostgresError, free_port, fresh_database, locate_server
+from consumer.devtools.devdb import NoPostgresError, free_port, fresh_database, locate_server
 from consumer.store import admin
+from consumer.store.db import mask_dsn
 
 BACKEND_DB = "serversync_demo_backend"
 FRONTEND_DB = "serversync_demo_frontend"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 
-from consumer.events import DeliveryError
+from consumer.core.events import DeliveryError
 
 META_NAME = "meta.json"
 # meta.json is a small description of the call; anything bigger is not one.

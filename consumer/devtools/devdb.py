@@ -22,8 +22,8 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from consumer import migrations
-from consumer.db import with_dbname
+from consumer.store import migrations
+from consumer.store.db import with_dbname
 
 LOCAL_DSN = "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 

@@ -11,9 +11,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from consumer import adminapi
-from consumer.deadletters import DeadLetters
-from consumer.httpjson import json_response, server_handler_args
+from consumer.ops import adminapi
+from consumer.ops.deadletters import DeadLetters
+from consumer.wire.httpjson import json_response, server_handler_args
 
 # Roles in which a consumer process is doing its job: leading, or standing by, ready to lead.
 READY_STATES = frozenset({"leader", "standby"})

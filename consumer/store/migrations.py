@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from consumer.queries import sql_dir
+from consumer.store.queries import sql_dir
 
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 _LOCK_KEY = "serversync.migrate"

@@ -18,8 +18,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from consumer.events import DeliveryError, Sink
-from consumer.redact import safe_error
+from consumer.core.events import DeliveryError, Sink
+from consumer.observability.redact import safe_error
 from consumer.store.dlq import (
     DEFAULT_PAGE_SIZE,
     MAX_PAGE_SIZE,

@@ -13,8 +13,8 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from consumer import instruments
-from consumer.events import Failure
+from consumer.core.events import Failure
+from consumer.observability import instruments
 from consumer.store import admin
 
 log = logging.getLogger("serversync.gauges")

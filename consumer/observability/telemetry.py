@@ -31,7 +31,7 @@ from opentelemetry.trace import Status
 from opentelemetry.util.types import Attributes, AttributeValue
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-from consumer.redact import mask_secrets, printable
+from consumer.observability.redact import mask_secrets, printable
 
 # What starts each further line of a text record (a traceback's).
 CONTINUATION = "  | "

@@ -8,9 +8,9 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from consumer.events import JSON_TEXT, DeliveryError, json_members
-from consumer.queries import query
-from consumer.recordings import PENDING, RecordingRow
+from consumer.core.events import JSON_TEXT, DeliveryError, json_members
+from consumer.core.recording_ledger import PENDING, RecordingRow
+from consumer.store.queries import query
 
 
 class RecordingStore:

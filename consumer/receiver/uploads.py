@@ -39,10 +39,10 @@ import orjson
 from aiohttp import BodyPartReader, ETag, HttpVersion11, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from consumer import signing
-from consumer.httpjson import error_response, json_response
 from consumer.receiver.guards import content_encoding_refusal
-from consumer.signing import MANIFEST_HEADER, RecordingManifest
+from consumer.wire import signing
+from consumer.wire.httpjson import error_response, json_response
+from consumer.wire.signing import MANIFEST_HEADER, RecordingManifest
 
 log = logging.getLogger("serversync.receiver")
 

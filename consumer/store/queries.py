@@ -11,12 +11,12 @@ _NAME_LINE = re.compile(r"^-- name: ([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
 def sql_dir() -> Path:
     """The folder holding serversync's SQL: packaged in a wheel, or sql/ of a source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_sql", here.parent / "sql"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "_sql", package.parent / "sql"):
         if (candidate / "queries.sql").is_file():
             return candidate
     raise FileNotFoundError(
-        f"serversync's SQL files are missing (looked in {here}/_sql and ../sql)"
+        f"serversync's SQL files are missing (looked in {package}/_sql and ../sql)"
     )
 
 

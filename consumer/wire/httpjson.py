@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from consumer.redact import printable
+from consumer.observability.redact import printable
 
 
 def error_response(status: int, code: str, message: str, **extra: Any) -> web.Response:

@@ -14,26 +14,28 @@ from aiohttp import web
 from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
 
-from consumer import failpoints, gauges, migrations
-from consumer.db import connect, connect_kwargs, mask_dsn
-from consumer.deadletters import DeadLetters, SinkFactory
-from consumer.events import DeadLetter, DeliveryError, Sink
-from consumer.opshttp import PING_TIMEOUT_SEC, Health, MetricsEndpoint, build_ops_app
+from consumer.app.settings import ConfigError, ReceiverSettings, SyncSettings
+from consumer.core import failpoints
+from consumer.core.events import DeadLetter, DeliveryError, Sink
+from consumer.observability.telemetry import Telemetry
+from consumer.ops import gauges
+from consumer.ops.deadletters import DeadLetters, SinkFactory
+from consumer.ops.port import PING_TIMEOUT_SEC, Health, MetricsEndpoint, build_ops_app
 from consumer.receiver.app import BodyReads, build_app
-from consumer.receiver.recordings import RecordingFiles
 from consumer.receiver.store import EntityStore
+from consumer.receiver.uploads import RecordingFiles
 from consumer.runtime.wakeup import NotifyListener
 from consumer.runtime.worker import ConsumerRuntime, RuntimeConfig
-from consumer.settings import ConfigError, ReceiverSettings, SyncSettings
 from consumer.sinks.frontend_sync import FrontendSyncSink
-from consumer.sinks.local_recordings import RecordingsDir
 from consumer.sinks.null import NullSink
+from consumer.sinks.recording_files import RecordingsDir
 from consumer.sinks.recording_upload import RecordingUploadSink, wanted_recording
+from consumer.store import migrations
+from consumer.store.db import connect, connect_kwargs, mask_dsn
 from consumer.store.dlq import DlqStore
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import Leadership, OutboxStore
-from consumer.store.recordings import RecordingStore
-from consumer.telemetry import Telemetry
+from consumer.store.recording_rows import RecordingStore
 
 log = logging.getLogger("serversync")
 
