@@ -1,5 +1,5 @@
-"""`python -m bench [drain|latency|producer|all] [--quick]`, `python -m bench instructions` and
-`python -m bench compare A B`."""
+"""`python -m bench [drain|latency|producer|all] [--quick]`, `python -m bench instructions`,
+`python -m bench compare A B` and `python -m bench render RESULT.json`."""
 
 from __future__ import annotations
 
@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="print the differences between two result files")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
+    p = sub.add_parser("render", help="draw a result file's PNG chart again from its JSON")
+    p.add_argument("result", type=Path)
+    p.add_argument("--png", type=Path, help="where to write it (default: beside the JSON)")
     return parser
 
 
@@ -252,7 +255,7 @@ def _summary(result: dict[str, Any]) -> str:
             us, relay = cost[timings]["us_per_statement"], cost[timings]["relay_us_per_row"]
             minimal = cost[timings]["minimal_trigger_us_per_row"]
             lines.append(
-                f"relay cost per row, one session, single-row statements {said} (us): "
+                f"relay cost per row, one connection, single-row statements {said} (us): "
                 + ", ".join(
                     f"{kind} {us[f'{kind}_untracked']} -> {us[f'{kind}_tracked']} "
                     f"(+{relay[kind]}; minimal trigger +{minimal[kind]})"
@@ -270,6 +273,13 @@ def main() -> int:
     args = _parser().parse_args()
     if args.command == "compare":
         print(report.compare(args.a, args.b))
+        return 0
+    if args.command == "render":
+        try:
+            print(report.render(args.result, args.png))
+        except RuntimeError as exc:
+            print(f"python -m bench render: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "instructions":
         try:

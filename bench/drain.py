@@ -29,8 +29,8 @@ from bench.harness import (
     start_service,
     wait_for,
 )
-from consumer.db import connect_kwargs
-from consumer.events import Position
+from consumer.core.events import Position
+from consumer.store.db import connect_kwargs
 
 RECEIVER_UPSERT = """
 INSERT INTO ingest.entities AS t
@@ -92,7 +92,7 @@ async def python_loop(env: BenchEnv, batch_size: int) -> dict[str, Any]:
         "INSERT INTO sync.consumer_offsets (consumer) VALUES ('bench-python-loop')"
         " ON CONFLICT (consumer) DO UPDATE SET last_txid = '0', last_seq = 0",
     )
-    # The session settings of the product's own read and offset sessions (UTC timestamps are
+    # The connection settings of the product's own read and offset connections (UTC timestamps are
     # the cheap ones to load; offset commits do not wait for the WAL flush), so that the
     # references differ from it only in what they do.
     source = await psycopg.AsyncConnection.connect(

@@ -18,14 +18,14 @@ import aiohttp
 import psycopg
 from psycopg import conninfo
 
-from consumer.devdb import (
+from consumer.core.events import Position
+from consumer.devtools.devdb import (
     Server,
     free_port,
     fresh_database,
     locate_server,
     start_private_cluster,
 )
-from consumer.events import Position
 
 BACKEND_DB = "serversync_bench_backend"
 FRONTEND_DB = "serversync_bench_frontend"
@@ -59,7 +59,7 @@ async def fresh_databases(server: Server, workdir: Path) -> BenchEnv:
 @contextlib.contextmanager
 def bench_server(private: bool = False) -> Iterator[Server]:
     """The server to measure on: DATABASE_URL, local, or a private cluster (always with
-    `private`: its settings are the same on every machine, see consumer/devdb.py)."""
+    `private`: its settings are the same on every machine, see consumer/devtools/devdb.py)."""
     if private:
         cluster = start_private_cluster()
         server = Server(cluster.dsn, cluster=cluster)
@@ -136,7 +136,7 @@ def machine_cpu() -> tuple[float, float]:
 
 
 class CpuMeter:
-    """Where the CPU of a run goes: the given processes, PostgreSQL's sessions by the database
+    """Where the CPU of a run goes: the given processes, PostgreSQL's backends by the database
     they serve, and its background processes (autovacuum included), read from /proc.
 
     `mark()` starts a window, `per_event(events)` ends it: CPU microseconds per event of each

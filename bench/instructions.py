@@ -27,7 +27,7 @@ from psycopg import sql
 
 from bench import producer
 from bench.harness import BACKEND_DB, progress
-from consumer.devdb import PrivateCluster, fresh_database, start_private_cluster
+from consumer.devtools.devdb import PrivateCluster, fresh_database, start_private_cluster
 
 # Statements in the short and the long run of each count.
 RUNS = (300, 1300)

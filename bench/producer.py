@@ -18,7 +18,7 @@ Every run also reports the machine's CPU per transaction (`cpu_us_per_tx`): pgbe
 consumer's, and the rest, which is PostgreSQL's; the machine is CPU-bound in these runs, so that
 figure says where each mode's transactions went.
 
-Before the pgbench runs, `relay_cost_per_row` times single-row statements in one session on
+Before the pgbench runs, `relay_cost_per_row` times single-row statements on one connection to
 the server, untracked, tracked and under the minimal trigger, all in one transaction and each
 in its own: the relay's own cost per changed row, without pgbench's run-to-run noise.
 """
@@ -47,8 +47,8 @@ from bench.harness import (
     start_service,
     wait_for,
 )
-from consumer.devdb import find_bindir
-from consumer.events import Position
+from consumer.core.events import Position
+from consumer.devtools.devdb import find_bindir
 
 SEED_ROWS = 10_000
 INSERT_SCRIPT = (
@@ -80,7 +80,7 @@ def pgbench_path() -> str:
 
 
 # The in-database reference for producers: the least an outbox row trigger can be, the kind of
-# trigger the issue's "outbox row trigger" figure describes (a row's JSON into a table with a
+# trigger the "outbox row trigger" reference figure describes (a row's JSON into a table with a
 # serial key, nothing else). The relay's cost beyond it is what serversync's outbox row
 # (position, entity, wake-up) adds.
 MINIMAL_TRIGGER = [
@@ -310,8 +310,8 @@ async def _run_mode(
         await execute(env.backend, "VACUUM ANALYZE")
 
 
-# One session writes single-row statements in a server-side loop, so the figure is the server's
-# own cost per statement: no client, no round trip, no other session to share the CPU with.
+# One connection writes single-row statements in a server-side loop, so the figure is the server's
+# own cost per statement: no client, no round trip, no other connection to share the CPU with.
 # The tracked minus the untracked figure is what the relay adds to each changed row. The loop
 # runs twice: all in one transaction, and committing after every statement as a producer's
 # single-statement transactions do (PL/pgSQL sets up each expression a trigger evaluates once
