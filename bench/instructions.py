@@ -27,7 +27,12 @@ from psycopg import sql
 
 from bench import producer
 from bench.harness import BACKEND_DB, progress
-from consumer.devtools.devdb import PrivateCluster, fresh_database, start_private_cluster
+from consumer.devtools.devdb import (
+    PrivateCluster,
+    as_server_user,
+    fresh_database,
+    start_private_cluster,
+)
 
 # Statements in the short and the long run of each count.
 RUNS = (300, 1300)
@@ -53,11 +58,6 @@ def _statements(kind: str, table: str, count: int) -> str:
     )
 
 
-def _as_postgres(command: list[str]) -> list[str]:
-    # postgres refuses to run as root.
-    return ["runuser", "-u", "postgres", "--", *command] if os.geteuid() == 0 else command
-
-
 def _count(cluster: PrivateCluster, valgrind: str, name: str, script: str) -> int:
     """Instructions of one single-user backend running `script` on a copy of the cluster."""
     copy, out = cluster.root / f"copy-{name}", cluster.root / f"callgrind-{name}.out"
@@ -68,7 +68,7 @@ def _count(cluster: PrivateCluster, valgrind: str, name: str, script: str) -> in
     try:
         with statements.open("rb") as stdin:
             result = subprocess.run(
-                _as_postgres(
+                as_server_user(
                     [
                         valgrind,
                         "--tool=callgrind",
