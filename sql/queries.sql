@@ -101,15 +101,6 @@ UPDATE sync.consumer_offsets
 SET leader_host = NULL, leader_pid = NULL, leader_since = NULL
 WHERE consumer = %(consumer)s AND leader_epoch = %(epoch)s;
 
--- name: leader_running
--- Whether some session holds the consumer's leader lock right now.
-SELECT l.pid
-FROM pg_locks l
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND l.classid = hashtext('serversync.consumer')::oid
-  AND l.objid = hashtext(%(consumer)s)::oid;
-
 -- name: consumer_status
 -- Per consumer: its position, what is still to deliver, and whether a leader holds its lock.
 --
@@ -282,7 +273,7 @@ WHERE consumer = %(consumer)s;
 SELECT pg_snapshot_xmin(pg_current_snapshot())::text;
 
 -- name: set_waiting
--- Tell producers whether this consumer waits for a NOTIFY (see sql/backend/0002).
+-- Tell producers whether this consumer waits for a NOTIFY (sql/backend/schema.sql, The wake-up).
 INSERT INTO sync.consumer_waits (consumer, waiting, updated_at)
 VALUES (%(consumer)s, %(waiting)s, now())
 ON CONFLICT (consumer) DO UPDATE
@@ -369,7 +360,10 @@ WHERE consumer = %(consumer)s AND (%(status)s::text IS NULL OR status = %(status
 -- Newest first; events parked by one commit share created_at, so seq breaks the tie.
 -- Every dlq_ query that returns messages gives the payload as its JSON text (payload::text): it
 -- is passed on as is, never decoded into Python numbers (a 64-bit integer or a double would not
--- hold every number a json value may carry).
+-- hold every number a json value may carry). So each lists the columns (those of DlqMessage in
+-- consumer/store/dlq.py) rather than `*`: a view with the cast would need grants of its own for
+-- the consumer and operator roles, and a function giving the row with the cast is called once per
+-- column in a RETURNING list.
 SELECT id, consumer, seq, entity_type, entity_id, op, payload::text AS payload, event_created_at,
        error_code, error_message, retry_count, max_retries, status, created_at, updated_at,
        last_retry_at

@@ -259,12 +259,13 @@ async def fetch_value(dsn: str, query: Any, params: Any = None) -> Any:
     return rows[0][0] if rows else None
 
 
-# The relay's count of waiting consumers (sql/backend/0008); NULL after a crash until recounted.
+# The relay's count of waiting consumers (sql/backend/schema.sql); NULL after a crash until
+# recounted.
 WAITING_COUNT = "SELECT pg_sequence_last_value('sync.waiting_consumers')"
 
 
 async def waiting_for_notify(dsn: str) -> bool:
-    """Some consumer is idle and has asked producers for a NOTIFY (sql/backend/0002). Until
+    """Some consumer is idle and has asked producers for a NOTIFY (sql/backend/schema.sql). Until
     then a commit sends none, so a test that counts wake-ups must wait for this first."""
     return bool(await fetch_value(dsn, "SELECT bool_or(waiting) FROM sync.consumer_waits"))
 

@@ -1,10 +1,17 @@
--- The reference receiver's store. Generic on purpose: any well-formed entity type is kept, so a
--- newly tracked table needs no receiver change.
+-- The reference receiver's store, ingest: the baseline, the design as it stood when serversync
+-- was first released. sql/receiver/schema.sql is the schema as it stands after every migration.
+--
+-- Generic on purpose: any well-formed entity type is kept, so a newly tracked table needs no
+-- receiver change.
 CREATE SCHEMA IF NOT EXISTS ingest;
 
 CREATE TABLE ingest.entities (
-    entity_type text        NOT NULL,
-    entity_id   text        NOT NULL,
+    -- The keys compare byte by byte (COLLATE "C"): they are identifiers, not text for people to
+    -- sort, and every applied entry probes the primary key twice (ON CONFLICT's check, then the
+    -- insert) and is sorted by key for DISTINCT ON, which under the database's default collation
+    -- went through strcoll (2-4 % more events/s in bench/).
+    entity_type text        COLLATE "C" NOT NULL,
+    entity_id   text        COLLATE "C" NOT NULL,
     -- The version guard: the outbox seq of the change that produced this state. An entry with a
     -- seq not above it is stale and changes nothing.
     seq         bigint      NOT NULL,

@@ -1,0 +1,405 @@
+-- sync.track and sync.untrack: the relay, generated for each tracked table.
+--
+-- A function file: `serversync migrate` applies it after the versioned migrations, again
+-- whenever its text or functions/relay.sql changes, and it ends by generating the relay of every
+-- tracked table again, so a change here reaches every table at the next migrate. Every statement
+-- may run again on a database that has it: CREATE OR REPLACE, with the signatures it has.
+--
+-- What sync.track(table, entity type, key column) makes for a table, and why:
+-- * Its own trigger functions, sync.relay_<oid> (upserts), sync.relay_delete_<oid> (deletes) and
+--   sync.rekey_<oid> (a changed key), named by the table's oid so a renamed table keeps them.
+--   The entity type is a constant in them and the key is read straight from the row, so each
+--   change costs one to_json of the row and one INSERT; each does one thing, with no branch
+--   and no variable: PL/pgSQL sets up every expression it evaluates once per transaction, and a
+--   producer's transaction is often a single statement.
+-- * On an ordinary table, statement triggers with a transition table (sync_relay on INSERT,
+--   sync_relay_update, sync_relay_delete; a transition table serves one event only): a statement
+--   that changes many rows writes their outbox rows with one INSERT ... SELECT, where a row
+--   trigger pays the executor's set-up once per row. A partitioned table gets row triggers
+--   (sync_relay on INSERT or UPDATE, sync_relay_delete) instead: PostgreSQL clones row triggers
+--   onto every partition, attached later too, so writes made straight to a partition are
+--   relayed, which the parent's statement triggers would miss.
+-- * sync_rekey, a row trigger that fires only WHEN the key changed, and only on UPDATEs that name
+--   the key column (UPDATE OF skips the trigger before its WHEN clause is planned; a table with
+--   a BEFORE UPDATE row trigger, which could change the key unnamed, keeps it on every UPDATE).
+--   Row triggers fire before statement triggers, so the old key's delete precedes the new key's
+--   upsert. It runs at the end of the statement and sends the delete only if no row holds the
+--   old key by then: keys swapped within one statement are two upserts.
+-- * Every trigger carries (entity type, key column) as arguments: sync.tracked_tables reads them.
+--
+-- Least privilege. The generated functions are SECURITY DEFINER with `SET search_path =
+-- pg_catalog, pg_temp` (PostgreSQL's "Writing SECURITY DEFINER Functions Safely"), every object
+-- of serversync in them schema-qualified, and they belong to serversync_relay, which holds only
+-- what they use (schema.sql, Roles and grants) plus, per table, SELECT on the key column
+-- and a policy sync_relay_rekey FOR SELECT USING (true) for the rekey check, which must see
+-- every row whatever row level security the table has or gets. Without that role, or without
+-- membership in it, they belong to the role that runs sync.track, with a NOTICE saying so.
+-- Handing a function over needs CREATE on its schema unless a superuser does it: lent to
+-- serversync_relay for those statements only, inside the transaction. A producer needs no
+-- privilege on the schema sync. Then:
+-- * Only the owner of a table may track it (SQLSTATE 42501): tracking decides which rows go out
+--   as which entity type, and grants the relay's role a column of the table.
+-- * No code chosen by a role other than the table's owner runs inside the relay: casts to json
+--   of a column's type (recursively through arrays, domains, composites, ranges), the key's `=`
+--   and the table's policies run as serversync_relay, so sync.relay_refusal refuses a table
+--   where any of them belongs to a role that is no superuser and not the owner or a role it is
+--   a member of, and a table with a RESTRICTIVE policy (which the permissive one does not
+--   override). One added later makes the rekey check refuse the key change (the producer's
+--   statement fails) rather than send a delete of a live entity.
+-- * EXECUTE on sync.track, sync.untrack and the generated functions is revoked from PUBLIC: a
+--   trigger fires its function whatever the writer's privileges, while CREATE TRIGGER needs
+--   EXECUTE on it, so no one can attach a relay function, whose entity type is written into it,
+--   to a table of their own.
+--
+-- What it costs. Instructions the relay adds to a single-row statement that is its own
+-- transaction (`python -m bench instructions`, bigint key; thousands), as a superuser and as a
+-- producer role: INSERT 110.3 and 114.1, UPDATE 107.7 and 108.8, against 125.1 and 166.3 for the
+-- untracked statement. SECURITY DEFINER costs ~10k of that (the user id switch and a search path
+-- computed again), the SET clause ~8.5k more on PostgreSQL 15 (AtEOXact_GUC walks every
+-- setting; 16 restores only those a function changed). The SET clause stays: without it the
+-- relay's safety would rest on every name in what sync.track generates, now and later, being
+-- qualified, and one that is not would let any producer run code as serversync_relay.
+
+CREATE OR REPLACE FUNCTION sync.track(
+    target      regclass,
+    entity_type text,
+    key_column  text DEFAULT 'id'
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    relay text := format('sync.%I', 'relay_' || target::oid);
+    relay_delete text := format('sync.%I', 'relay_delete_' || target::oid);
+    rekey text := format('sync.%I', 'rekey_' || target::oid);
+    -- The wake-up that follows the outbox INSERT (schema.sql, The wake-up); its %s is
+    -- 'FOUND AND ' in a statement trigger, which wakes nobody when its statement changed no row,
+    -- and empty in a row trigger. Two small tests rather than one CASE: PL/pgSQL sets up every
+    -- expression again in each transaction, at a cost that grows with its size.
+    wake_up text := $wake$
+            IF %s(pg_sequence_last_value('sync.waiting_consumers') > 0
+                  OR current_setting('sync.notify', true) = 'always') THEN
+                IF coalesce(current_setting('sync.notify', true), '') <> 'off' THEN
+                    PERFORM pg_notify('sync_outbox', '');  -- a wake-up only: no event data
+                END IF;
+            END IF;$wake$;
+    -- Every generated function runs as its owner, with a search_path no caller can change.
+    create_function text := 'CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql '
+                            'SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS %L';
+    definer text := current_user;
+    as_relay boolean := false;
+    lend_create boolean;
+    table_owner oid;
+    table_schema text;
+    qualified text;
+    partitioned boolean;
+    key_named text;
+    key_type text;
+    key_equals text;
+    equals_schema text;
+    needed_schema text;
+    template text;
+    new_row text;
+    old_row text;
+    body text;
+    refusal text[];
+BEGIN
+    IF entity_type IS NULL OR entity_type !~ '^[A-Za-z_][A-Za-z0-9_.-]{0,127}$' THEN
+        RAISE EXCEPTION 'sync.track: entity type % is not an identifier', quote_literal(entity_type)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF sync.relay_key_expression(target, key_column, 'r') IS NULL THEN
+        RAISE EXCEPTION 'sync.track: table % has no column %', target, quote_ident(key_column)
+            USING ERRCODE = 'undefined_column';
+    END IF;
+    SELECT format('%I.%I', n.nspname, c.relname), n.nspname, c.relkind = 'p', c.relowner
+      INTO qualified, table_schema, partitioned, table_owner
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE c.oid = target;
+    -- Tracking decides which rows go out as which entity type, and grants the relay's role a
+    -- column of the table: only the table's owner (or a role with its privileges) may do it.
+    IF NOT pg_has_role(current_user, table_owner, 'USAGE') THEN
+        RAISE EXCEPTION 'sync.track: only the owner of table % may track it', target
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    -- No code of a role other than the table's owner may run inside the relay.
+    refusal := sync.relay_refusal(target, key_column);
+    IF refusal IS NOT NULL THEN
+        RAISE EXCEPTION '%', refusal[1]
+            USING ERRCODE = 'insufficient_privilege', HINT = refusal[2];
+    END IF;
+    -- Who the generated functions run as: serversync_relay, when it exists and the caller may
+    -- hand objects to it; else the caller, which must then be able to write the outbox.
+    IF to_regrole('serversync_relay') IS NOT NULL THEN
+        as_relay := pg_has_role(current_user, 'serversync_relay', 'USAGE');
+    END IF;
+    IF as_relay THEN
+        definer := 'serversync_relay';
+    ELSE
+        IF NOT has_table_privilege('sync.events_outbox', 'INSERT') THEN
+            RAISE EXCEPTION 'sync.track: % may neither act as role serversync_relay nor write '
+                            'sync.events_outbox', current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'Run sync.track as the role that ran serversync migrate.';
+        END IF;
+        RAISE NOTICE 'sync.track: the relay of % runs as %: role serversync_relay is missing or '
+                     '% may not act as it (docs/security.md, Roles and grants)',
+                     target, current_user, current_user;
+    END IF;
+    -- The rekey check compares keys with the equality operator the caller's search_path gives
+    -- the key's type now, schema-qualified: the check runs with search_path pg_catalog.
+    SELECT format_type(a.atttypid, NULL) INTO key_type
+      FROM pg_attribute a
+     WHERE a.attrelid = target AND a.attname = key_column AND a.attnum > 0
+       AND NOT a.attisdropped;
+    SELECT format('OPERATOR(%I.%s)', n.nspname, o.oprname), n.nspname
+      INTO key_equals, equals_schema
+      FROM pg_operator o JOIN pg_namespace n ON n.oid = o.oprnamespace
+     WHERE o.oid = to_regoperator(format('=(%s,%s)', key_type, key_type));
+    IF key_equals IS NULL THEN
+        -- No operator of exactly that type (varchar, a domain): PostgreSQL's own choice among
+        -- the built-in ones.
+        key_equals := 'OPERATOR(pg_catalog.=)';
+        equals_schema := 'pg_catalog';
+    END IF;
+    PERFORM sync.drop_relay_triggers(target);
+    -- The bodies go in as quoted literals (%L), not dollar-quoted: no name can end them. One
+    -- function for upserts and one for deletes, each with no branch to take. Their SQL
+    -- names every column through its row, r, NEW or OLD, and a row as a whole as r.* (a bare r
+    -- would be a column named r); any other bare name is one of PL/pgSQL's (TG_RELID), which
+    -- `#variable_conflict use_variable` says even where a column has the same name.
+    IF partitioned THEN
+        -- A row trigger, cloned onto every partition (statement triggers with transition
+        -- tables are not).
+        template := $body$#variable_conflict use_variable
+        BEGIN
+            -- Generated by sync.track (sql/backend/functions/track.sql).
+            INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
+            VALUES (%1$L, %2$L, %4$s, to_json(%5$s));%3$s
+            RETURN NULL;
+        END;
+        $body$;
+        new_row := 'NEW';
+        old_row := 'OLD';
+    ELSE
+        template := $body$#variable_conflict use_variable
+        BEGIN
+            -- Generated by sync.track (sql/backend/functions/track.sql).
+            -- sync_changed_rows: the statement's new rows, or its old ones for a DELETE.
+            INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
+            SELECT %1$L, %2$L, %4$s, to_json(%5$s.*) FROM sync_changed_rows AS %5$s;
+            -- A statement that changed no row wrote nothing and wakes nobody.%3$s
+            RETURN NULL;
+        END;
+        $body$;
+        new_row := 'r';
+        old_row := 'r';
+    END IF;
+    -- %1$L the operation, %2$L the entity type, %3$s the wake-up, %4$s the key, %5$s the row.
+    wake_up := format(wake_up, CASE WHEN partitioned THEN '' ELSE 'FOUND AND ' END);
+    EXECUTE format(
+        create_function, relay,
+        format(template, 'upsert', entity_type, wake_up,
+               sync.relay_key_expression(target, key_column, new_row), new_row)
+    );
+    EXECUTE format(
+        create_function, relay_delete,
+        format(template, 'delete', entity_type, wake_up,
+               sync.relay_key_expression(target, key_column, old_row), old_row)
+    );
+    body := format(
+        $body$#variable_conflict use_variable
+        DECLARE
+            key_taken boolean;
+        BEGIN
+            -- Generated by sync.track (sql/backend/functions/track.sql). Runs only when a
+            -- key changed, so the lookup may be planned on every call. The table is
+            -- named from its oid when the lookup runs, so a renamed table is still found; a
+            -- partitioned one is read through its parent, whose rows hold the key. A
+            -- RESTRICTIVE policy added since sync.track would hide rows from the check (a key
+            -- taken would go unseen, and a live entity be deleted downstream) and run its
+            -- code as this role: the key change is refused instead, before the policy is read.
+            IF pg_catalog.row_security_active(%4$L::oid) AND EXISTS (
+                SELECT 1 FROM pg_catalog.pg_policy p
+                 WHERE p.polrelid = %4$L::oid AND NOT p.polpermissive
+                   AND p.polcmd IN ('r', '*')
+                   AND (0::oid OPERATOR(pg_catalog.=) ANY (p.polroles)
+                        OR EXISTS (SELECT 1 FROM pg_catalog.unnest(p.polroles) AS r(oid)
+                                    WHERE pg_catalog.pg_has_role(r.oid, 'MEMBER')))
+            ) THEN
+                RAISE EXCEPTION 'serversync: the key of a row of %% changed, and the table has a '
+                                'RESTRICTIVE policy, which hides rows from the relay''s check '
+                                'that no other row took the old key', %4$L::oid::regclass
+                    USING ERRCODE = 'insufficient_privilege',
+                          HINT = 'Drop the policy, or make it PERMISSIVE, then run sync.track '
+                                 'on the table again.';
+            END IF;
+            EXECUTE format('SELECT EXISTS (SELECT 1 FROM %%s AS t WHERE t.%%I %%s $1)',
+                           %4$L::oid::regclass, %1$L, %3$L)
+                INTO key_taken USING OLD.%1$I;
+            IF key_taken THEN
+                RETURN NULL;  -- another row took the old key in the same statement
+            END IF;
+            INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
+            VALUES ('delete', %2$L, %5$s, to_json(OLD));
+            RETURN NULL;
+        END;
+        $body$,
+        key_column, entity_type, key_equals, target::oid,
+        sync.relay_key_expression(target, key_column, 'OLD')
+    );
+    EXECUTE format(create_function, rekey, body);
+    -- No one calls them but their triggers: CREATE TRIGGER needs EXECUTE on the function, a
+    -- trigger that fires does not.
+    EXECUTE format('REVOKE ALL ON FUNCTION %s(), %s(), %s() FROM PUBLIC',
+                   relay, relay_delete, rekey);
+    -- Every relay trigger carries (entity type, key column): sync.tracked_tables reads them.
+    IF partitioned THEN
+        EXECUTE format(
+            'CREATE TRIGGER sync_relay AFTER INSERT OR UPDATE ON %s '
+            'FOR EACH ROW EXECUTE FUNCTION %s(%L, %L)',
+            qualified, relay, entity_type, key_column
+        );
+        EXECUTE format(
+            'CREATE TRIGGER sync_relay_delete AFTER DELETE ON %s '
+            'FOR EACH ROW EXECUTE FUNCTION %s(%L, %L)',
+            qualified, relay_delete, entity_type, key_column
+        );
+    ELSE
+        EXECUTE format(
+            'CREATE TRIGGER sync_relay AFTER INSERT ON %s '
+            'REFERENCING NEW TABLE AS sync_changed_rows '
+            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L)',
+            qualified, relay, entity_type, key_column
+        );
+        EXECUTE format(
+            'CREATE TRIGGER sync_relay_update AFTER UPDATE ON %s '
+            'REFERENCING NEW TABLE AS sync_changed_rows '
+            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L)',
+            qualified, relay, entity_type, key_column
+        );
+        EXECUTE format(
+            'CREATE TRIGGER sync_relay_delete AFTER DELETE ON %s '
+            'REFERENCING OLD TABLE AS sync_changed_rows '
+            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L)',
+            qualified, relay_delete, entity_type, key_column
+        );
+    END IF;
+    -- UPDATE OF the key column: an UPDATE that does not name the key skips the trigger before
+    -- its WHEN clause is read back from its stored form and planned (~14k instructions in
+    -- every such statement). A BEFORE UPDATE row trigger could change the key without the
+    -- UPDATE naming it, so a table that has one keeps the trigger on every UPDATE (one added
+    -- later needs sync.track again, as a renamed key column does). In a trigger's WHEN clause
+    -- OLD and NEW are the only relations, and the key is named through them.
+    IF EXISTS (
+        SELECT 1 FROM pg_trigger
+        WHERE tgrelid = target AND NOT tgisinternal
+          AND (tgtype::integer & 19) = 19  -- ROW | BEFORE | UPDATE
+    ) THEN
+        key_named := '';
+    ELSE
+        key_named := format(' OF %I', key_column);
+    END IF;
+    EXECUTE format(
+        'CREATE TRIGGER sync_rekey AFTER UPDATE%s ON %s FOR EACH ROW '
+        'WHEN (OLD.%I IS DISTINCT FROM NEW.%I) EXECUTE FUNCTION %s(%L, %L)',
+        key_named, qualified, key_column, key_column, rekey, entity_type, key_column
+    );
+    IF NOT as_relay THEN
+        RETURN;
+    END IF;
+    -- Hand the functions to serversync_relay. A new owner needs CREATE on the functions' schema
+    -- unless a superuser hands them over: lent for these statements, taken back before the
+    -- transaction ends, one sync.track at a time (two grants on one schema at once fail).
+    lend_create := NOT (SELECT r.rolsuper FROM pg_roles r WHERE r.rolname = current_user)
+                   AND NOT has_schema_privilege('serversync_relay', 'sync', 'CREATE')
+                   AND EXISTS (SELECT 1 FROM pg_proc p
+                                WHERE p.oid IN (to_regprocedure(relay || '()'),
+                                                to_regprocedure(relay_delete || '()'),
+                                                to_regprocedure(rekey || '()'))
+                                  AND p.proowner <> 'serversync_relay'::regrole);
+    IF lend_create THEN
+        PERFORM pg_advisory_xact_lock(hashtext('sync.track'));
+        GRANT CREATE ON SCHEMA sync TO serversync_relay;
+    END IF;
+    EXECUTE format('ALTER FUNCTION %s() OWNER TO serversync_relay', relay);
+    EXECUTE format('ALTER FUNCTION %s() OWNER TO serversync_relay', relay_delete);
+    EXECUTE format('ALTER FUNCTION %s() OWNER TO serversync_relay', rekey);
+    IF lend_create THEN
+        REVOKE CREATE ON SCHEMA sync FROM serversync_relay;
+    END IF;
+    -- What the rekey check reads: the key column, every row of it whatever row level security
+    -- the table has or gets (a policy does nothing while the table has none), the table's
+    -- schema and the equality operator's.
+    EXECUTE format('REVOKE ALL ON TABLE %s FROM serversync_relay', qualified);
+    EXECUTE format('GRANT SELECT (%I) ON TABLE %s TO serversync_relay', key_column, qualified);
+    IF EXISTS (SELECT 1 FROM pg_policy
+                WHERE polrelid = target AND polname = 'sync_relay_rekey') THEN
+        EXECUTE format('DROP POLICY sync_relay_rekey ON %s', qualified);
+    END IF;
+    EXECUTE format(
+        'CREATE POLICY sync_relay_rekey ON %s AS PERMISSIVE FOR SELECT TO serversync_relay '
+        'USING (true)', qualified
+    );
+    FOREACH needed_schema IN ARRAY ARRAY[table_schema, equals_schema] LOOP
+        IF NOT has_schema_privilege('serversync_relay', needed_schema, 'USAGE') THEN
+            EXECUTE format('GRANT USAGE ON SCHEMA %I TO serversync_relay', needed_schema);
+        END IF;
+        IF NOT has_schema_privilege('serversync_relay', needed_schema, 'USAGE') THEN
+            RAISE EXCEPTION 'sync.track: the relay of % needs USAGE on schema %, which % may '
+                            'not grant', target, quote_ident(needed_schema), current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = format('GRANT USAGE ON SCHEMA %I TO serversync_relay, then track '
+                                    'the table again.', needed_schema);
+        END IF;
+    END LOOP;
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION sync.untrack(target regclass) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    qualified text;
+BEGIN
+    PERFORM sync.drop_relay_triggers(target);
+    EXECUTE format('DROP FUNCTION IF EXISTS sync.%I()', 'relay_' || target::oid);
+    EXECUTE format('DROP FUNCTION IF EXISTS sync.%I()', 'relay_delete_' || target::oid);
+    EXECUTE format('DROP FUNCTION IF EXISTS sync.%I()', 'rekey_' || target::oid);
+    SELECT format('%I.%I', n.nspname, c.relname) INTO qualified
+      FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+     WHERE c.oid = target;
+    IF EXISTS (SELECT 1 FROM pg_policy
+                WHERE polrelid = target AND polname = 'sync_relay_rekey') THEN
+        EXECUTE format('DROP POLICY sync_relay_rekey ON %s', qualified);
+    END IF;
+    IF to_regrole('serversync_relay') IS NOT NULL THEN
+        EXECUTE format('REVOKE ALL ON TABLE %s FROM serversync_relay', qualified);
+    END IF;
+END;
+$$;
+
+REVOKE EXECUTE ON FUNCTION sync.track(regclass, text, text), sync.untrack(regclass) FROM PUBLIC;
+
+-- Generate the relay of every tracked table again, as sync.track above makes it. A table that
+-- sync.track now refuses loses its relay, with a WARNING naming it, why, and the sync.track
+-- call to run once fixed, rather than failing the whole migration; until then its writes are
+-- NOT relayed. Its old relay must not stay: it was made by rules sync.track no longer keeps.
+DO $regenerate$
+DECLARE
+    tracked record;
+    refusal text[];
+BEGIN
+    FOR tracked IN SELECT table_name, entity_type, key_column FROM sync.tracked_tables LOOP
+        refusal := sync.relay_refusal(tracked.table_name, tracked.key_column);
+        IF refusal IS NULL THEN
+            PERFORM sync.track(tracked.table_name, tracked.entity_type, tracked.key_column);
+        ELSE
+            PERFORM sync.untrack(tracked.table_name);
+            RAISE WARNING 'serversync: table % is no longer tracked (entity type %): its changes '
+                          'are NOT relayed from now on, and its relay was removed. %',
+                          tracked.table_name, quote_literal(tracked.entity_type), refusal[1]
+                USING HINT = refusal[2] || format(' Then: SELECT sync.track(%L, %L, %L);',
+                                                  tracked.table_name::text,
+                                                  tracked.entity_type, tracked.key_column);
+        END IF;
+    END LOOP;
+END
+$regenerate$;
