@@ -1,4 +1,5 @@
-"""Masking secrets in anything serversync logs or stores (seed 003 §8.4, and URL passwords)."""
+"""Masking secrets in anything serversync logs or stores (credentials of the kinds that leak into
+error messages, and URL passwords)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ _SECRETS = [
     # "password": "..." in JSON bodies
     (re.compile(r'(?i)("(?:password|passwd|secret|token|api[_-]?key)"\s*:\s*")[^"]*"'), r'\1***"'),
     (re.compile(r"(?i)((?:api[_-]?key|token|secret)[\"']?\s*[:=]\s*[\"']?)[^\s\"',}]+"), r"\1***"),
-    # seed 003 §8.4: GitHub tokens, Anthropic keys, AWS access keys, private keys
+    # Credentials with a recognisable shape: GitHub tokens, Anthropic keys, AWS access keys,
+    # private keys.
     (re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"), MASK),
     (re.compile(r"sk-ant-api[A-Za-z0-9-]+"), MASK),
     (re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b"), MASK),

@@ -1,4 +1,4 @@
-"""The admin API of a consumer process (aiohttp): the dead-letter queue over HTTP (seed 004).
+"""The admin API of a consumer process (aiohttp): the dead-letter queue over HTTP.
 
 Mounted on the process's HTTP port (opshttp) only when SYNC_ADMIN_TOKEN is set. Every /api/
 route wants `Authorization: Bearer <SYNC_ADMIN_TOKEN>`; errors leave as
@@ -185,7 +185,7 @@ def add_dlq_routes(app: web.Application, service: DeadLetters) -> None:
     """Mount the DLQ routes on `app` (whose middlewares must include json_errors and
     bearer_auth)."""
     app[SERVICE_KEY] = service
-    # /messages/ first (seed 004): else "messages" would be taken for a consumer's name.
+    # /messages/ first: else "messages" would be taken for a consumer's name.
     app.router.add_get("/api/v1/dlq/messages/{id}", get_message)
     app.router.add_post("/api/v1/dlq/messages/{id}/retry", retry_message)
     app.router.add_delete("/api/v1/dlq/messages/{id}", delete_message)

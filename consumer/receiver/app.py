@@ -20,8 +20,16 @@ from consumer.observability.redact import printable
 from consumer.receiver.guards import refusal_before_body
 from consumer.receiver.models import INGEST_REQUEST, describe, parse_body
 from consumer.receiver.store import EntityStore
-from consumer.receiver.uploads import UPLOAD_PATH, RecordingFiles, add_routes
+from consumer.receiver.uploads import RecordingFiles, add_routes
 from consumer.wire import signing
+from consumer.wire.contract import (
+    IDEMPOTENCY_KEY_HEADER,
+    INGEST_PREFIX,
+    RECORDING_UPLOAD_PATH,
+    SIGNATURE_HEADER,
+    SYNC_PATH,
+    TIMESTAMP_HEADER,
+)
 from consumer.wire.httpjson import (
     error_response,
     http_error_response,
@@ -30,9 +38,6 @@ from consumer.wire.httpjson import (
 )
 
 log = logging.getLogger("serversync.receiver")
-
-INGEST_PREFIX = "/api/ingest/"
-SYNC_PATH = "/api/ingest/sync"
 
 STORE_KEY = web.AppKey("store", EntityStore)
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
@@ -100,7 +105,7 @@ async def ingest_sync(request: web.Request) -> web.Response:
         "applied %d of %d entries (key %s)",
         applied,
         received,
-        printable(request.headers.get("Idempotency-Key", "-"))[:200],
+        printable(request.headers.get(IDEMPOTENCY_KEY_HEADER, "-"))[:200],
     )
     return json_response(
         {"ok": True, "received": received, "applied": applied, "stale": received - applied}
@@ -137,7 +142,7 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 # How soon a client turned away because too many bodies are being read may try again (a read
-# ends within its deadline; an upload slot, recordings.BUSY_RETRY_AFTER_SEC, takes longer).
+# ends within its deadline; an upload slot, upload_limits.BUSY_RETRY_AFTER_SEC, takes longer).
 BODIES_BUSY_RETRY_AFTER_SEC = 1
 
 
@@ -189,7 +194,7 @@ def ingest_guard(
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         # A recording upload is streamed and makes its own checks, its signature over digests.
-        if not request.path.startswith(INGEST_PREFIX) or request.path == UPLOAD_PATH:
+        if not request.path.startswith(INGEST_PREFIX) or request.path == RECORDING_UPLOAD_PATH:
             return await handler(request)
         if isinstance(request.match_info.http_exception, web.HTTPMethodNotAllowed):
             # A method the route does not take: its 405 (with Allow) says so, and no body is
@@ -204,8 +209,8 @@ def ingest_guard(
         if secrets:
             problem = signing.verify(
                 secrets,
-                request.headers.get(signing.TIMESTAMP_HEADER),
-                request.headers.get(signing.SIGNATURE_HEADER),
+                request.headers.get(TIMESTAMP_HEADER),
+                request.headers.get(SIGNATURE_HEADER),
                 body,
             )
             if problem is not None:

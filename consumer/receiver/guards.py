@@ -14,6 +14,7 @@ from aiohttp import hdrs, web
 
 from consumer.observability.redact import printable
 from consumer.wire import signing
+from consumer.wire.contract import SIGNATURE_HEADER, TIMESTAMP_HEADER
 from consumer.wire.httpjson import error_response
 
 log = logging.getLogger("serversync.receiver")
@@ -61,8 +62,8 @@ def signature_headers_refusal(
     headers are missing, malformed or stale (signing.check_headers), or, without secrets, when
     signature headers are sent malformed; None otherwise. Only the signature over the body,
     checked once the body is read, says the request is authentic."""
-    timestamp = request.headers.get(signing.TIMESTAMP_HEADER)
-    given = request.headers.get(signing.SIGNATURE_HEADER)
+    timestamp = request.headers.get(TIMESTAMP_HEADER)
+    given = request.headers.get(SIGNATURE_HEADER)
     if secrets:
         problem = signing.check_headers(timestamp, given)
     else:

@@ -1,7 +1,7 @@
 """The dead-letter queue's rows (sync.dlq_messages): list, inspect, claim for retry, settle, delete.
 
 Events land here through OutboxStore.commit_offset (query park_entries); this module is what an
-operator does with them afterwards (seed 004). Statuses move PENDING -> RETRYING (a claim) ->
+operator does with them afterwards. Statuses move PENDING -> RETRYING (a claim) ->
 RESOLVED (delivered) or back to PENDING with the new error, or DEAD once every retry is used.
 """
 
@@ -36,7 +36,7 @@ MAX_CODE_CHARS = 100
 
 
 class DlqStatus(enum.StrEnum):
-    """Where a parked event stands (seed 004's DlqStatus)."""
+    """Where a parked event stands. DEAD means every operator retry was used, not "parked"."""
 
     PENDING = "PENDING"
     RETRYING = "RETRYING"
@@ -68,7 +68,8 @@ class DlqMessage:
     """One parked event (a row of sync.dlq_messages; field names are its columns)."""
 
     id: uuid.UUID
-    # The consumer that parked it: seed 004's original_topic.
+    # The consumer that parked it (the admin API also names it original_topic, the word
+    # dead-letter tools such as Kafka Connect use for where a message came from).
     consumer: str
     seq: int
     entity_type: str
@@ -88,8 +89,8 @@ class DlqMessage:
     last_retry_at: datetime | None
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape of the admin API and `dlq ... --json` (seed 004's DlqMessageResponse,
-        plus the event's own fields). The payload is embedded as its stored JSON text, as is."""
+        """The JSON shape of the admin API and `dlq ... --json` (one message with
+        its delivery state, plus the event's own fields). The payload is embedded as its stored JSON text, as is."""
         return {
             "id": str(self.id),
             "consumer": self.consumer,

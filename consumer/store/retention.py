@@ -27,10 +27,45 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from consumer.core.errors import first_line
 from consumer.core.events import Position
-from consumer.store.admin import AdminError, consumer_status, holding_consumer_lock
-from consumer.store.db import APPLICATION_PREFIX
+from consumer.store.admin import AdminError
 from consumer.store.queries import query
+from consumer.store.registration import (
+    RegisteredConsumer,
+    RemovedConsumer,
+    UnknownConsumerError,
+    consumer_sessions,
+    find_consumer,
+    leader_lock_prefix,
+    remove_consumer,
+)
+
+# Deregistering a consumer (registration.py) is the other half of `serversync cleanup`'s advice:
+# its callers (the command line, tests) find it here too.
+__all__ = [
+    "DEAD_LETTERS",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_RETENTION",
+    "MAX_BATCH_SIZE",
+    "MAX_RETENTION",
+    "OUTBOX",
+    "CleanupError",
+    "CleanupReport",
+    "LaggingConsumer",
+    "RegisteredConsumer",
+    "RemovedConsumer",
+    "UnknownConsumerError",
+    "cleanup",
+    "consumer_sessions",
+    "delete_outbox_batch",
+    "find_consumer",
+    "format_duration",
+    "lagging_hint",
+    "leader_lock_prefix",
+    "parse_duration",
+    "remove_consumer",
+]
 
 log = logging.getLogger("serversync.retention")
 
@@ -50,10 +85,6 @@ _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
 
 class CleanupError(AdminError):
     """A cleanup stopped part-way (what was deleted until then stays deleted)."""
-
-
-class UnknownConsumerError(AdminError):
-    """No consumer of that name is registered."""
 
 
 def parse_duration(text: str) -> timedelta:
@@ -235,7 +266,7 @@ async def cleanup(
             if report is not None and not dry_run
             else ""
         )
-        raise CleanupError(f"cleanup failed{done}: {_one_line(exc)}") from exc
+        raise CleanupError(f"cleanup failed{done}: {first_line(exc)}") from exc
     return report
 
 
@@ -340,113 +371,3 @@ def _log_batch(table: str, batch: int, deleted: int, total: int) -> None:
         total,
         extra={"table": table, "batch": batch, "deleted": deleted, "deleted_total": total},
     )
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-# -- consumers -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RegisteredConsumer:
-    """A registered consumer as `consumers remove` shows it before removing it."""
-
-    consumer: str
-    position: Position
-    updated_at: datetime
-    dead_letters: int
-
-
-@dataclass(frozen=True)
-class RemovedConsumer:
-    """What `remove_consumer` did."""
-
-    consumer: str
-    position: Position
-    # The consumer's dead letters: deleted with it (purge_dlq) or kept.
-    dead_letters_deleted: int
-    dead_letters_kept: int
-
-
-async def _known(conn: psycopg.AsyncConnection[Any]) -> str:
-    names = [r["consumer"] for r in await consumer_status(conn)]
-    return ", ".join(names) or "none"
-
-
-async def find_consumer(conn: psycopg.AsyncConnection[Any], consumer: str) -> RegisteredConsumer:
-    """The registered consumer `consumer`, or UnknownConsumerError naming the known ones."""
-    async with conn.cursor(row_factory=dict_row) as cur:
-        await cur.execute(query("retention_consumer"), {"consumer": consumer})
-        row = await cur.fetchone()
-    if row is None:
-        raise UnknownConsumerError(f"no consumer named {consumer!r} (known: {await _known(conn)})")
-    return RegisteredConsumer(
-        consumer,
-        Position(int(row["last_txid"]), int(row["last_seq"])),
-        row["updated_at"],
-        int(row["dead_letters"]),
-    )
-
-
-def leader_lock_prefix(consumer: str) -> str:
-    """How the application_name of a consumer process's leader-lock session begins.
-
-    LeaderLock connects with role `leader:NAME` (consumer/store/db.py application_name, cut at 63
-    characters as PostgreSQL does); cut short, the prefix may also match a consumer whose name
-    extends this one, which only makes a removal refuse.
-    """
-    return f"{APPLICATION_PREFIX}:leader:{consumer}:"[:63]
-
-
-async def consumer_sessions(
-    conn: psycopg.AsyncConnection[Any], consumer: str
-) -> list[dict[str, Any]]:
-    """The sessions of the consumer's running processes, leader and standbys: pid and
-    application_name (which names the host and the process id)."""
-    async with conn.cursor(row_factory=dict_row) as cur:
-        await cur.execute(
-            query("retention_consumer_sessions"), {"prefix": leader_lock_prefix(consumer)}
-        )
-        return await cur.fetchall()
-
-
-async def remove_consumer(
-    conn: psycopg.AsyncConnection[Any], consumer: str, *, purge_dlq: bool = False
-) -> RemovedConsumer:
-    """Deregister a consumer that no longer runs: its offset row and its waiting flag go, its
-    dead letters stay unless `purge_dlq`.
-
-    `conn` must be in autocommit mode. UnknownConsumerError for an unknown name; AdminError while
-    a process of the consumer runs: its leader holds the leader lock, and a standby (which would
-    take over the moment the lock is free and find no offset row) keeps a session open for it.
-    """
-    await find_consumer(conn, consumer)
-    async with holding_consumer_lock(conn, consumer):
-        # Holding the lock keeps a standby from taking over meanwhile; it must not stay behind.
-        sessions = await consumer_sessions(conn, consumer)
-        if sessions:
-            who = ", ".join(f"{s['application_name']} (backend {s['pid']})" for s in sessions)
-            raise AdminError(
-                f"consumer {consumer} has a standby process running: {who}; stop it first"
-            )
-        async with conn.transaction():
-            cur = await conn.execute(query("retention_remove_consumer"), {"consumer": consumer})
-            row = await cur.fetchone()
-            if row is None:  # removed by someone else since find_consumer
-                raise UnknownConsumerError(
-                    f"no consumer named {consumer!r} (known: {await _known(conn)})"
-                )
-            await conn.execute(query("retention_forget_waiting"), {"consumer": consumer})
-            deleted = kept = 0
-            if purge_dlq:
-                cur = await conn.execute(query("retention_purge_dlq"), {"consumer": consumer})
-                deleted = cur.rowcount
-            else:
-                count = await (
-                    await conn.execute(query("dlq_count"), {"consumer": consumer, "status": None})
-                ).fetchone()
-                kept = int(count[0]) if count else 0
-    return RemovedConsumer(consumer, Position(int(row[0]), int(row[1])), deleted, kept)

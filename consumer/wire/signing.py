@@ -15,8 +15,27 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-TIMESTAMP_HEADER = "X-Serversync-Timestamp"
-SIGNATURE_HEADER = "X-Serversync-Signature"
+from consumer.wire.contract import MANIFEST_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER
+
+# The header names are the wire contract's (contract.py): callers of this module find them here
+# too, beside what they name.
+__all__ = [
+    "MANIFEST_HEADER",
+    "MANIFEST_VERSION",
+    "MAX_SKEW_SEC",
+    "SIGNATURE_HEADER",
+    "TIMESTAMP_HEADER",
+    "RecordingManifest",
+    "check_headers",
+    "malformed_headers",
+    "manifest_headers",
+    "parse_manifest",
+    "recording_file_message",
+    "sign",
+    "signature",
+    "verify",
+]
+
 MAX_SKEW_SEC = 300
 _SCHEME = "v1="
 # ASCII only: str.isdigit() and \d would also take other scripts' digits.
@@ -110,7 +129,6 @@ def recording_file_message(
 
 # -- recording uploads: a signed manifest, checked before the body is read ----------------------
 
-MANIFEST_HEADER = "X-Serversync-Manifest"
 MANIFEST_VERSION = "recording-file/1"
 _MANIFEST = re.compile(
     r"recording-file/1"
