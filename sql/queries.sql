@@ -15,7 +15,7 @@
 -- order of the subquery: an ORDER BY out here would sort the batch a second time for nothing.
 -- The entries are not built here as JSON: string_agg over the concatenated entry text cost
 -- more in the server than fetching plain rows and letting orjson write them
--- (consumer/store/outbox.py; the README's Performance section has the timings).
+-- (consumer/wire/entries.py; docs/performance.md has the timings).
 WITH horizon AS MATERIALIZED (
     SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmin(s) < pg_snapshot_xmax(s) AS held_back
     FROM pg_current_snapshot() AS s
@@ -395,14 +395,10 @@ RETURNING id, consumer, seq, entity_type, entity_id, op, payload::text AS payloa
           created_at, updated_at, last_retry_at;
 
 -- name: dlq_entry
--- The parked event as a one-entry batch in the wire format, built as read_batch builds it: the
--- payload goes out as the json text it was parked with, byte for byte.
-SELECT convert_to('[{"entityType":' || to_json(entity_type)::text
-       || ',"entityId":' || to_json(entity_id)::text
-       || ',"op":' || to_json(op)::text
-       || ',"seq":' || seq
-       || ',"payload":' || payload::text
-       || ',"createdAt":' || coalesce(to_json(event_created_at)::text, 'null') || '}]', 'UTF8')
+-- The parked event's columns for its one-entry batch, in consumer/wire/entries.py's
+-- ENTRY_COLUMNS order: the entry is built where read_batch's are, and the payload goes out as
+-- the json text it was parked with, byte for byte.
+SELECT seq, op, entity_type, entity_id, payload::text, event_created_at
 FROM sync.dlq_messages
 WHERE id = %(id)s;
 

@@ -10,7 +10,7 @@ import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ import pytest
 from aiohttp import web
 from psycopg import conninfo
 
+from consumer.app import kinds, wiring
+from consumer.app.cli import render
 from consumer.devtools.devdb import Server, free_port
 from consumer.store import admin, migrations
 from tests.conftest import (
@@ -539,6 +541,97 @@ async def test_status_names_the_open_transaction_holding_the_horizon(backend_dsn
     assert mine["xact_age_seconds"] > 0
 
 
+def consumer_row(**overrides: Any) -> dict[str, Any]:
+    """A row as admin.consumer_status returns it: a stopped, healthy consumer."""
+    row: dict[str, Any] = {
+        "consumer": "audit",
+        "last_txid": 812,
+        "last_seq": 40,
+        "updated_at": datetime(2026, 11, 27, 9, 30, 5, 123456, tzinfo=UTC),
+        "running": False,
+        "leader_host": None,
+        "leader_pid": None,
+        "lock_backend_pid": None,
+        "backlog": 3,
+        "backlog_estimated": False,
+        "lag_seconds": 75.0,
+        "delivered_total": 9,
+        "dlq_pending": 1,
+        "dlq_retrying": 1,
+        "dlq_dead": 0,
+        "failing_since": None,
+        "failing_seconds": None,
+        "failing_reason": None,
+        "last_error": None,
+    }
+    return row | overrides
+
+
+def test_status_offsets_and_consumers_tables_are_views_of_one_row() -> None:
+    """One renderer: each command picks its columns, and a column says the same in all three."""
+    failing = consumer_row(
+        consumer="frontend-sync",
+        running=True,
+        leader_host="db1",
+        leader_pid=4242,
+        backlog=12_000,
+        backlog_estimated=True,
+        failing_since=datetime(2026, 11, 27, tzinfo=UTC),
+        failing_seconds=300.0,
+        failing_reason="receiver_unavailable",
+        last_error="POST http://x answered\nHTTP 503:\x1b[2J  busy",
+    )
+    rows = [consumer_row(), failing]
+    expected = {
+        render.STATUS_COLUMNS: [
+            ["audit", "none", "40", "3", "1.2m", "9", "2", "0", "ok", "-"],
+            [
+                "frontend-sync",
+                "db1/4242",
+                "40",
+                "~12000",
+                "1.2m",
+                "9",
+                "2",
+                "0",
+                "FAILING",
+                "5.0m",
+                # Control characters and line breaks of the error never reach the terminal.
+                *["POST", "http://x", "answered", "HTTP", "503:", "[2J", "busy"],
+            ],
+        ],
+        render.OFFSETS_COLUMNS: [
+            ["audit", "40", "812/40", "3", "2026-11-27T09:30:05+00:00", "no"],
+            ["frontend-sync", "40", "812/40", "~12000", "2026-11-27T09:30:05+00:00", "yes"],
+        ],
+        render.CONSUMERS_COLUMNS: [
+            ["audit", "812/40", "none", "2026-11-27T09:30:05+00:00", "3"],
+            ["frontend-sync", "812/40", "db1/4242", "2026-11-27T09:30:05+00:00", "~12000"],
+        ],
+    }
+    for columns, cells in expected.items():
+        header, by_name = table(render.consumer_table(rows, columns))
+        assert header == list(columns)
+        assert list(by_name.values()) == cells
+        assert render.consumer_table([], columns) == render.NO_CONSUMERS
+    assert "\x1b" not in render.consumer_table([failing], render.STATUS_COLUMNS)
+
+
+def test_consumer_kinds_are_one_registry() -> None:
+    assert wiring.CONSUMERS == tuple(kinds.KINDS) == ("frontend-sync", "recording-upload")
+    assert kinds.consumer_kind("recording-upload").entity_types == frozenset({"recording"})
+    assert kinds.consumer_kind("frontend-sync").entity_types is None
+    settings = make_settings("dbname=unused", FRONTEND, SYNC_MAX_IN_FLIGHT=3)
+    # recording-upload runs its uploads concurrently inside one batch instead.
+    assert [kind.batches_in_flight(settings) for kind in kinds.KINDS.values()] == [3, 1]
+    # An unknown name: a one-line start-up error for `run`, and the LookupError that the
+    # dead-letter retries turn into a refusal.
+    with pytest.raises(wiring.StartupError, match="unknown consumer 'nope'"):
+        kinds.consumer_kind("nope")
+    with pytest.raises(LookupError, match="this build runs: frontend-sync, recording-upload"):
+        wiring.dlq_sinks(settings)("nope")
+
+
 # -- configuration and connection errors ---------------------------------------------------------
 
 
@@ -627,11 +720,7 @@ def expected_migrations(components: list[str]) -> list[tuple[str, str]]:
 
 
 def applied_lines(components: list[str]) -> list[str]:
-    return [
-        f"applied {m.component}/{m.version}_{m.name}"
-        for c in components
-        for m in migrations.available(c)
-    ]
+    return [f"applied {m.label}" for c in components for m in migrations.available(c)]
 
 
 MIGRATIONS_TABLE = (
@@ -643,7 +732,7 @@ MIGRATIONS_TABLE = (
 async def test_commands_against_an_unmigrated_database_say_to_migrate(empty_dsn: str) -> None:
     env = cli_env(DATABASE_URL=empty_dsn, FRONTEND_BASE_URL=FRONTEND)
     run, status = await run_many(["run", CONSUMER], ["status"], env=env)
-    assert_one_line_error(run, 1, "DATABASE_URL lacks", "0001_outbox", "run `serversync migrate`")
+    assert_one_line_error(run, 1, "DATABASE_URL lacks", "0001_baseline", "run `serversync migrate`")
     assert_one_line_error(status, 1, "DATABASE_URL lacks", "run `serversync migrate`")
 
 

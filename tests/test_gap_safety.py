@@ -23,17 +23,25 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from consumer.app.settings import runtime_config
 from consumer.app.wiring import open_pool
-from consumer.core.events import Batch, Position, Sink
+from consumer.core.events import Batch, Outcome, Position, Sink
 from consumer.devtools.devdb import PrivateCluster
 from consumer.runtime.wakeup import NotifyListener
-from consumer.runtime.worker import ConsumerRuntime, RuntimeConfig
+from consumer.runtime.worker import ConsumerRuntime
 from consumer.sinks.frontend_sync import FrontendSyncSink
 from consumer.store.admin import plan_reset
 from consumer.store.leadership import LeaderLock
 from consumer.store.outbox import OutboxStore, ReadResult
 from consumer.store.queries import query
-from tests.conftest import Databases, fetch_all, fetch_value, wait_until, waiting_for_notify
+from tests.conftest import (
+    Databases,
+    fetch_all,
+    fetch_value,
+    make_settings,
+    wait_until,
+    waiting_for_notify,
+)
 
 CONSUMER = "frontend-sync"
 UTC = "-c TimeZone=UTC"
@@ -49,32 +57,48 @@ def gap_dsn(private_databases: Databases) -> str:
 
 
 class RecordingSink:
-    """Keeps every delivered batch and its entries; optionally delivers on to another sink first
-    (then it records only what that sink accepted)."""
+    """Keeps every delivered batch, in the order the runtime sent them; optionally delivers on
+    to another sink first (then it keeps only what that sink accepted).
+
+    Send order, not the order of the answers: with several batches in flight the receiver may
+    answer a newer batch first, while the runtime sends (and commits) them in outbox order."""
 
     name = "recording"
 
     def __init__(self, forward: Sink | None = None) -> None:
         self.forward = forward
-        self.batches: list[Batch] = []
-        self.entries: list[dict[str, Any]] = []
+        # One slot per delivery call, in call order; None until that delivery is accepted.
+        self._sent: list[Batch | None] = []
 
     async def start(self) -> None:
         """Start the sink delivered on to, if any."""
         if self.forward is not None:
             await self.forward.start()
 
-    async def deliver(self, batch: Batch) -> None:
-        """Deliver on (if forwarding), then remember the batch."""
+    async def deliver(self, batch: Batch) -> Outcome:
+        """Deliver on (if forwarding), then remember the batch in the slot of this call."""
+        slot = len(self._sent)
+        self._sent.append(None)
+        outcome = Outcome.DELIVERED
         if self.forward is not None:
-            await self.forward.deliver(batch)
-        self.batches.append(batch)
-        self.entries.extend(batch.entries())
+            outcome = await self.forward.deliver(batch)
+        self._sent[slot] = batch
+        return outcome
 
     async def close(self) -> None:
         """Close the sink delivered on to, if any."""
         if self.forward is not None:
             await self.forward.close()
+
+    @property
+    def batches(self) -> list[Batch]:
+        """The accepted batches, in the order they were sent."""
+        return [batch for batch in self._sent if batch is not None]
+
+    @property
+    def entries(self) -> list[dict[str, Any]]:
+        """The accepted entries, in the order they were sent."""
+        return [entry for batch in self.batches for entry in batch.entries()]
 
     @property
     def seqs(self) -> list[int]:
@@ -102,17 +126,31 @@ class WatchedStore(OutboxStore):
         return result
 
 
+# The configurations the proofs run under: SyncSettings' defaults, as users run them (two
+# batches in flight, read pacing on); the same with pacing after every short batch (at the
+# defaults' rate threshold the workload may never pace); and the strictest, one batch at a time
+# and no pacing.
+CONFIGS = {
+    "defaults": {},
+    "always-paced": {"SYNC_BATCH_WAIT_MIN_RATE": 0},
+    "one-at-a-time": {"SYNC_MAX_IN_FLIGHT": 1, "SYNC_BATCH_WAIT_MS": 0},
+}
+
+
 @contextlib.asynccontextmanager
-async def running_runtime(
-    dsn: str,
-    sink: Sink,
-    *,
-    batch_size: int = 7,
-    poll_interval: float = 30.0,
-    recheck_interval: float = 0.02,
-) -> AsyncIterator[ConsumerRuntime]:
-    """A ConsumerRuntime wired like wiring.consumer_runtime but with the given sink and knobs,
-    running in this loop; yielded once it leads and listens, stopped (errors raised) on exit."""
+async def running_runtime(dsn: str, sink: Sink, **settings: Any) -> AsyncIterator[ConsumerRuntime]:
+    """A ConsumerRuntime wired like wiring.consumer_runtime but with the given sink, configured
+    like a user's from tests.conftest.make_settings plus `settings` (SYNC_* variables; batches
+    of 7 and a 20 ms re-check unless given), running in this loop; yielded once it leads and
+    listens, stopped (errors raised) on exit."""
+    config = runtime_config(
+        make_settings(
+            dsn,
+            # Not called: the sink is given.
+            "http://127.0.0.1:9",
+            **{"SYNC_BATCH_SIZE": 7, "SYNC_RECHECK_INTERVAL_MS": 20, **settings},
+        )
+    )
     async with open_pool(dsn, f"run:{CONSUMER}") as pool:
         runtime = ConsumerRuntime(
             CONSUMER,
@@ -120,15 +158,7 @@ async def running_runtime(
             sink=sink,
             lock=LeaderLock(dsn, CONSUMER),
             listener=NotifyListener(dsn, CONSUMER),
-            config=RuntimeConfig(
-                batch_size=batch_size,
-                poll_interval=poll_interval,
-                recheck_interval=recheck_interval,
-                standby_interval=0.2,
-                retry_initial=0.05,
-                retry_max=0.5,
-                shutdown_timeout=2.0,
-            ),
+            config=config,
         )
         task = asyncio.create_task(runtime.run())
         try:
@@ -494,32 +524,36 @@ def check_workload_was_adversarial(workload: Workload, outbox: list[OutboxRow]) 
     assert naive_skipped, "no commit-order inversion happened; the workload proves nothing"
 
 
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("seed", [101, 202, 303])
 async def test_concurrent_producers_every_committed_change_delivered_once_in_order(
-    gap_dsn: str, seed: int
+    gap_dsn: str, seed: int, config: str
 ) -> None:
     """10 producers, overlapping transactions of random length, savepoints and rollbacks, while
     a consumer reads in batches of 7: what it delivers is exactly what committed, once each, in
     (txid, seq) order and per entity in seq order, although a `seq > last_seq` reader running
     alongside skips events."""
     sink = RecordingSink()
-    async with running_runtime(gap_dsn, sink, batch_size=7, recheck_interval=0.02) as runtime:
+    async with running_runtime(gap_dsn, sink, **CONFIGS[config]) as runtime:
         workload = await run_workload(gap_dsn, seed)
         outbox = await check_exactly_once_in_order(gap_dsn, runtime, sink, workload)
         # Open producer transactions held the horizon back while the consumer read. (Whether it
         # then re-checked or a NOTIFY came first depends on timing.)
         assert store_of(runtime).held_back_reads > 0
         assert runtime.stats.poll_wakeups == 0
+        if config == "always-paced":
+            assert runtime.stats.paced_waits > 0, "the proof never ran a paced read"
     check_workload_was_adversarial(workload, outbox)
     assert any(b.count == 7 for b in sink.batches)
 
 
+@pytest.mark.parametrize("config", CONFIGS)
 async def test_concurrent_producers_through_the_http_receiver(
-    gap_dsn: str, receiver_dsn: str, receiver_url: str
+    gap_dsn: str, receiver_dsn: str, receiver_url: str, config: str
 ) -> None:
     """The same workload delivered over HTTP: the receiver ends with the backend's tables."""
     sink = RecordingSink(forward=FrontendSyncSink(receiver_url, timeout_sec=5))
-    async with running_runtime(gap_dsn, sink, batch_size=7, recheck_interval=0.02) as runtime:
+    async with running_runtime(gap_dsn, sink, **CONFIGS[config]) as runtime:
         workload = await run_workload(gap_dsn, seed=404)
         outbox = await check_exactly_once_in_order(gap_dsn, runtime, sink, workload)
     check_workload_was_adversarial(workload, outbox)
@@ -570,7 +604,7 @@ async def test_contended_entity_follows_txid_order_and_the_receiver_converges(
     assert x_seqs_in_delivery_order[1] > x_seqs_in_delivery_order[2]
 
     sink = RecordingSink(forward=FrontendSyncSink(receiver_url, timeout_sec=5))
-    async with running_runtime(gap_dsn, sink, batch_size=2) as runtime:
+    async with running_runtime(gap_dsn, sink, SYNC_BATCH_SIZE=2) as runtime:
         await wait_caught_up(runtime, Position(outbox[-1].txid, outbox[-1].seq))
     assert sink.seqs == [row.seq for row in outbox]
     assert [b.count for b in sink.batches] == [2, 2, 1]
@@ -701,7 +735,9 @@ async def test_held_back_event_arrives_via_recheck_soon_after_blocker_ends(
         blocker_dsn, blocker_sql = gap_dsn, "INSERT INTO scratch VALUES (1)"
 
     sink = RecordingSink()
-    async with running_runtime(gap_dsn, sink, poll_interval=60.0, recheck_interval=0.05) as runtime:
+    async with running_runtime(
+        gap_dsn, sink, SYNC_POLL_INTERVAL_SEC=60, SYNC_RECHECK_INTERVAL_MS=50
+    ) as runtime:
         await wait_until(lambda: parked(runtime), what="the consumer to wait, idle")
         notified = runtime.stats.notify_wakeups
         conn = await psycopg.AsyncConnection.connect(blocker_dsn)
@@ -770,7 +806,7 @@ def kill_listener_then_commit(dsn: str, callers: list[str]) -> int:
 
 async def test_lost_notify_during_listener_reconnect_is_caught_up(gap_dsn: str) -> None:
     sink = RecordingSink()
-    async with running_runtime(gap_dsn, sink, poll_interval=60.0) as runtime:
+    async with running_runtime(gap_dsn, sink, SYNC_POLL_INTERVAL_SEC=60) as runtime:
         listener = listener_of(runtime)
 
         # Before that, "before" would be read without any NOTIFY to wait for.
@@ -783,6 +819,9 @@ async def test_lost_notify_during_listener_reconnect_is_caught_up(gap_dsn: str) 
             return len(sink.entries) == 1 and listener.notifications >= 1
 
         await wait_until(first_delivered_and_notified, what="the first event and its NOTIFY")
+        # Asleep again before the listener goes: a consumer still between its reads after the
+        # first event would find the next ones by itself, whatever became of their NOTIFY.
+        await wait_until(lambda: parked(runtime), what="the consumer to wait again")
         notifications, reconnects = listener.notifications, listener.reconnects
 
         killed = kill_listener_then_commit(gap_dsn, ["lost-1", "lost-2", "lost-3"])
@@ -823,7 +862,7 @@ def insert_into_outbox_without_notify(dsn: str) -> None:
 
 async def test_event_without_notify_is_picked_up_by_the_poll_timer(gap_dsn: str) -> None:
     sink = RecordingSink()
-    async with running_runtime(gap_dsn, sink, poll_interval=0.5) as runtime:
+    async with running_runtime(gap_dsn, sink, SYNC_POLL_INTERVAL_SEC=0.5) as runtime:
         listener = listener_of(runtime)
         await wait_until(lambda: parked(runtime), what="the consumer to wait for its poll timer")
         # No await from here until the event is committed: the consumer stays parked.

@@ -1,4 +1,4 @@
-"""Operations (issue 6): what a sysadmin watches, checked on real `serversync` processes against
+"""Operations: what a sysadmin watches, checked on real `serversync` processes against
 real PostgreSQL over real HTTP on loopback: the Prometheus metrics at /metrics during a run, the
 leader gauge on takeover, the dead-letter gauge and the outcome counters, /readyz when the
 database goes away, the JSON logs (fields, trace ids, masked secrets, levels), trace propagation
@@ -137,7 +137,7 @@ async def test_metrics_follow_a_run_from_backlog_to_caught_up(
         receiver.release()
         await wait_metric(http, ops, "serversync_backlog_events", 0, consumer=CONSUMER)
         await wait_metric(
-            http, ops, "serversync_events_total", events, consumer=CONSUMER, outcome="success"
+            http, ops, "serversync_events_total", events, consumer=CONSUMER, outcome="delivered"
         )
         done = await wait_metric(http, ops, "serversync_outbox_rows", events)
 
@@ -154,7 +154,7 @@ async def test_metrics_follow_a_run_from_backlog_to_caught_up(
     assert done.value("serversync_lag_seconds", consumer=CONSUMER) == 0.0
     assert done.value("serversync_leader", consumer=CONSUMER) == 1
     # Every event once, in batches of 10, each at the first attempt.
-    assert done.by_label("serversync_events_total", "outcome") == {"success": events}
+    assert done.by_label("serversync_events_total", "outcome") == {"delivered": events}
     batches = events // batch_size
     assert done.value("serversync_batch_size_events_count", consumer=CONSUMER) == batches
     assert done.value("serversync_batch_size_events_sum", consumer=CONSUMER) == events
@@ -211,7 +211,7 @@ async def test_leader_gauge_and_readiness_flip_on_takeover(
         # The new leader does the work, and counts it.
         await insert_calls(backend_dsn, 5)
         await wait_metric(
-            http, second_ops, "serversync_events_total", 5, consumer=CONSUMER, outcome="success"
+            http, second_ops, "serversync_events_total", 5, consumer=CONSUMER, outcome="delivered"
         )
         assert receiver.delivered == {1, 2, 3, 4, 5}
 
@@ -239,7 +239,7 @@ async def test_dlq_gauge_and_every_outcome_counted(
             http, ops, "serversync_dlq_messages", 1, consumer=CONSUMER, status="pending"
         )
         await wait_metric(
-            http, ops, "serversync_events_total", 1, consumer=CONSUMER, outcome="dead"
+            http, ops, "serversync_events_total", 1, consumer=CONSUMER, outcome="parked"
         )
         # 409: the receiver had it already.
         await insert_callers(backend_dsn, ["conflicting"])
@@ -249,23 +249,23 @@ async def test_dlq_gauge_and_every_outcome_counted(
             "serversync_events_total",
             1,
             consumer=CONSUMER,
-            outcome="conflict_processed",
+            outcome="already_processed",
         )
         # 503, then 200: one retry, then delivered.
         receiver.fail_remaining = 1
         await insert_callers(backend_dsn, ["retried"])
         await wait_metric(
-            http, ops, "serversync_events_total", 1, consumer=CONSUMER, outcome="success"
+            http, ops, "serversync_events_total", 1, consumer=CONSUMER, outcome="delivered"
         )
         done = await wait_metric(http, ops, "serversync_backlog_events", 0, consumer=CONSUMER)
 
     assert receiver.answers == [422, 409, 503, 200]
     assert receiver.accepted == ["retried"]
     assert done.by_label("serversync_events_total", "outcome", consumer=CONSUMER) == {
-        "dead": 1,
-        "conflict_processed": 1,
-        "retry": 1,
-        "success": 1,
+        "parked": 1,
+        "already_processed": 1,
+        "retried": 1,
+        "delivered": 1,
     }
     assert done.by_label("serversync_dlq_messages", "status", consumer=CONSUMER) == {
         "pending": 1,

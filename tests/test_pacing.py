@@ -3,7 +3,8 @@ that has caught up waits a little before reading again, so they gather into fewe
 they arrive slowly, each one is read at once.
 
 Real PostgreSQL and the reference receiver on loopback; the producers' spacing is paced inside
-the database (pg_sleep between commits), every wait on the consumer is a wait_until."""
+the database (pg_sleep between commits), every wait on the consumer is a wait_until. The pacing
+policy itself (ReadPacer) is tested without a database in tests/test_policies.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 import psycopg
 import pytest
 
-from consumer.runtime.pacing import ReadPacer
 from tests.conftest import make_settings, running_consumer, wait_until
 
 SPACED_EVENTS = 10
@@ -93,28 +93,3 @@ async def test_slow_traffic_is_read_at_once_however_long_the_wait(
         )
         assert time.monotonic() - started < 4
         assert runtime.stats.paced_waits == 0
-
-
-def test_pacing_starts_above_the_rate_and_stops_once_traffic_slows() -> None:
-    pacer = ReadPacer(wait=0.02, min_rate=2000)
-    assert pacer.window == 0.1
-    # 5,000 events/s in batches of 50 every 10 ms: paced.
-    for step in range(10):
-        pacer.observe(50, now=step * 0.01)
-    assert pacer.pause(now=0.1) == 0.02
-    # The batches the waits made bigger do not keep it going: at 500 events/s (25 every 50 ms),
-    # pacing ends once the fast reads have left the window.
-    now = 0.1
-    for _ in range(4):
-        now += 0.05
-        pacer.observe(25, now=now)
-    assert pacer.rate(now=now) <= 750  # the last 100 ms: two or three of the slow reads
-    assert pacer.pause(now=now) == 0.0
-
-
-def test_no_pacing_when_the_wait_is_zero() -> None:
-    pacer = ReadPacer(wait=0, min_rate=0)
-    pacer.observe(10_000, now=0.0)
-    assert pacer.pause(now=0.0) == 0.0
-    with pytest.raises(ValueError, match="wait >= 0"):
-        ReadPacer(wait=-1, min_rate=0)

@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from consumer.app.wiring import consumer_runtime, open_pool, serve_ops_http
-from consumer.core.events import DeadLetter, Position
+from consumer.core.events import DeadLetter, Position, json_array_elements
 from consumer.observability.redact import safe_error
 from consumer.sinks.recording_upload import wanted_recording
 from consumer.store.dlq import DlqStore
@@ -514,3 +514,34 @@ def test_recording_upload_reads_past_events_it_cannot_decode() -> None:
     uploaded = pending.replace(b'"pending"', b'"uploaded"')
     assert wanted_recording(pending) == "r-1"
     assert wanted_recording(uploaded) is None
+
+
+async def test_a_dead_letter_is_redelivered_as_the_bytes_it_was_first_sent_as(
+    backend_dsn: str,
+) -> None:
+    """An operator's retry sends the receiver exactly the entry the stream sent: one encoder
+    builds both (the payload's text, a created_at with microseconds, any identifier)."""
+    await track_docs(backend_dsn)
+    await insert_docs(
+        backend_dsn, (1, '{"big": 123456789012345678901234567890, "s": "\\u00e9 \\""}')
+    )
+    async with open_pool(backend_dsn, "test-redeliver", max_size=2) as pool:
+        store = OutboxStore(pool)
+        await store.ensure_consumer(CONSUMER)
+        leadership = await store.take_leadership(CONSUMER)
+        read = await store.read_batch(leadership.position, 10)
+        assert read.batch is not None
+        (entry,) = json_array_elements(read.batch.entries_json)
+        await store.commit_offset(
+            CONSUMER,
+            leadership.epoch,
+            read.batch.end,
+            read.batch.count,
+            parked=[DeadLetter(entry, "HTTP_422", "refused")],
+        )
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        store_dlq = DlqStore.over_connection(conn)
+        (message_id,) = await store_dlq.retryable_ids(CONSUMER)
+        claimed = await store_dlq.claim(message_id)
+    assert claimed.batch.entries_json == read.batch.entries_json

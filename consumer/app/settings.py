@@ -1,4 +1,4 @@
-"""Configuration from environment variables, validated once at start (defaults from seed 000)."""
+"""Configuration from environment variables, validated once at start."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from consumer.observability.redact import mask_secrets
+from consumer.runtime.config import RuntimeConfig
 
 __all__ = ["ConfigError", "ReceiverSettings", "SyncSettings", "load"]
 
@@ -237,3 +238,23 @@ def load(model: type[S], **overrides: object) -> S:
         return model(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise ConfigError(_one_line(exc, model)) from None
+
+
+def runtime_config(settings: SyncSettings) -> RuntimeConfig:
+    """The consumer loop's knobs from the settings: the one place a RuntimeConfig is built, so
+    the loop runs with SyncSettings' defaults and nothing else (tests build theirs here too)."""
+    return RuntimeConfig(
+        batch_size=settings.batch_size,
+        poll_interval=settings.poll_interval_sec,
+        recheck_interval=settings.recheck_interval_ms / 1000,
+        standby_interval=settings.standby_interval_sec,
+        retry_initial=settings.retry_initial_sec,
+        retry_max=settings.retry_max_sec,
+        shutdown_timeout=settings.shutdown_timeout_sec,
+        linger=settings.linger_ms / 1000,
+        max_attempts=settings.max_attempts,
+        dlq_max_retries=settings.dlq_max_retries,
+        max_in_flight=settings.max_in_flight,
+        batch_wait=settings.batch_wait_ms / 1000,
+        batch_wait_min_rate=settings.batch_wait_min_rate,
+    )

@@ -224,6 +224,29 @@ class Failure(enum.StrEnum):
         return self is Failure.REFUSED
 
 
+class Outcome(enum.StrEnum):
+    """What became of a batch's events: one word per meaning, the same in the sink interface,
+    the metrics (serversync_events_total{outcome}), the log lines and the spans.
+
+    Failure says why an attempt failed; Outcome says what happened to the events.
+    """
+
+    # The receiver took the events.
+    DELIVERED = "delivered"
+    # The receiver answered that it had processed them already (HTTP 409): as good as
+    # delivered, and counted apart.
+    ALREADY_PROCESSED = "already_processed"
+    # An attempt failed in a way that passes (see Failure): the offset is held and the same
+    # events are sent again.
+    RETRIED = "retried"
+    # Moved to the dead-letter queue: the receiver refused the content, or SYNC_MAX_ATTEMPTS
+    # ran out. The offset moves past them.
+    PARKED = "parked"
+    # A stop or a lost lead came before the batch was settled: nothing is committed, and the
+    # events are sent again by whoever leads next.
+    ABANDONED = "abandoned"
+
+
 class DeliveryError(Exception):
     """A sink could not deliver a batch; `failure` says why (see Failure).
 
@@ -272,12 +295,12 @@ class Sink(Protocol):
     async def start(self) -> None:
         """Open what the sink needs (HTTP sessions, files)."""
 
-    async def deliver(self, batch: Batch) -> str | None:
+    async def deliver(self, batch: Batch) -> Outcome:
         """Deliver the whole batch, or raise DeliveryError. May be called again with the same
         events (at-least-once), so the far side must apply them idempotently.
 
-        Returns None (or "success"), or "conflict_processed" when the receiver answered that it
-        had processed the batch already (HTTP 409): counted apart in the metrics."""
+        Returns Outcome.DELIVERED, or Outcome.ALREADY_PROCESSED when the receiver answered that
+        it had processed the batch already (HTTP 409)."""
 
     async def close(self) -> None:
         """Release what start() opened."""

@@ -21,9 +21,12 @@ from opentelemetry import metrics, trace
 _meter = metrics.get_meter("serversync")
 tracer = trace.get_tracer("serversync")
 
-# Outcomes of seed 001: success, retry, dead (parked), conflict_processed (HTTP 409).
+# Labelled with an Outcome (consumer/core/events.py): delivered, already_processed (HTTP 409),
+# retried (counted once per failed attempt), parked.
 EVENTS = _meter.create_counter(
-    "serversync.events", description="Events handled, by outcome", unit="{event}"
+    "serversync.events",
+    description="Events handled, by outcome: delivered, already_processed, retried, parked",
+    unit="{event}",
 )
 BATCH_SIZE = _meter.create_histogram(
     "serversync.batch.size.events",

@@ -8,8 +8,10 @@ import re
 MASK = "***"
 
 _SECRETS = [
-    # user:password@ in URLs and DSNs
-    (re.compile(r"(?i)([a-z][a-z0-9+.-]*://[^:/@\s]+:)[^@\s]+@"), r"\1***@"),
+    # user:password@ in URLs and DSNs. Linear on any text: the scheme is bounded (else every
+    # position of a long word would rescan the rest of it) and the password stops where an
+    # authority must end ('/', '?', '#' cannot stand unencoded in it).
+    (re.compile(r"(?i)([a-z][a-z0-9+.-]{0,31}://[^:/@\s]+:)[^@\s/?#]+@"), r"\1***@"),
     (re.compile(r"(?i)(password\s*=\s*)('[^']*'|\S+)"), r"\1***"),
     (re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+"), r"\1***"),
     (re.compile(r"(?i)(basic\s+)[A-Za-z0-9+/=]{8,}"), r"\1***"),

@@ -11,10 +11,10 @@ from typing import Any
 
 import psycopg
 
+from consumer.core.errors import first_line
 from consumer.runtime.backoff import Backoff
 from consumer.store.db import connect
 
-CHANNEL = "sync_outbox"
 log = logging.getLogger("serversync.wakeup")
 
 
@@ -50,6 +50,7 @@ class NotifyListener:
         while True:
             try:
                 self._conn = await connect(self._dsn, f"listen:{self._role}")
+                # The channel the relay notifies on (pg_notify in sql/backend/).
                 await self._conn.execute("LISTEN sync_outbox")
                 backoff.reset()
                 if not first:
@@ -65,7 +66,9 @@ class NotifyListener:
             except psycopg.Error as exc:
                 self.connected.clear()
                 delay = backoff.next_delay()
-                log.warning("listener connection lost (%s); reconnecting in %.1fs", exc, delay)
+                log.warning(
+                    "listener connection lost (%s); reconnecting in %.1fs", first_line(exc), delay
+                )
                 await asyncio.sleep(delay)
             finally:
                 if self._conn is not None:

@@ -6,11 +6,10 @@ from typing import Any
 
 import aiohttp
 
-from consumer.core.events import Batch, DeliveryError
+from consumer.core.events import Batch, DeliveryError, Outcome
 from consumer.sinks.http import HttpSink, answer_of, client_span
+from consumer.wire.contract import IDEMPOTENCY_KEY_HEADER, SYNC_PATH
 from consumer.wire.signing import sign
-
-INGEST_PATH = "/api/ingest/sync"
 
 
 class FrontendSyncSink(HttpSink):
@@ -22,17 +21,18 @@ class FrontendSyncSink(HttpSink):
         self, base_url: str, *, timeout_sec: float, shared_secret: str | None = None
     ) -> None:
         super().__init__(timeout_sec)
-        self.url = base_url.rstrip("/") + INGEST_PATH
+        self.url = base_url.rstrip("/") + SYNC_PATH
         self._secret = shared_secret
 
-    async def deliver(self, batch: Batch) -> str | None:
-        """POST the batch; any non-2xx answer, timeout or network error is a DeliveryError."""
+    async def deliver(self, batch: Batch) -> Outcome:
+        """POST the batch: delivered, or already processed (409); any other non-2xx answer,
+        timeout or network error is a DeliveryError."""
         # The batch's entries already are the wire format: wrap them without parsing.
         body = b'{"entries":' + batch.entries_json + b"}"
         headers = {
             "Content-Type": "application/json",
             # The same batch always gets the same key, so a receiver can recognise a retry.
-            "Idempotency-Key": f"{self.name}:{batch.min_seq}:{batch.max_seq}:{batch.count}",
+            IDEMPOTENCY_KEY_HEADER: f"{self.name}:{batch.min_seq}:{batch.max_seq}:{batch.count}",
             **sign(self._secret, body),
         }
         with client_span("POST", self.url, headers):
@@ -43,7 +43,7 @@ class FrontendSyncSink(HttpSink):
                 raise DeliveryError(
                     f"POST {self.url} failed: {type(exc).__name__}: {exc}", code="NETWORK_ERROR"
                 ) from exc
-        return "conflict_processed" if answer.outcome == "conflict_processed" else None
+        return answer.outcome
 
 
 def is_sync_answer(answer: dict[str, Any]) -> bool:

@@ -18,9 +18,15 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind
 from yarl import URL
 
-from consumer.core.events import DeliveryError, Failure
+from consumer.core.events import DeliveryError, Failure, Outcome
 from consumer.observability.instruments import tracer
 from consumer.observability.redact import mask_secrets, safe_error
+from consumer.wire.contract import (
+    DELIVERED_CONFLICT,
+    RETRY_AFTER_STATUSES,
+    UNAVAILABLE_4XX,
+    WRONG_DESTINATION_4XX,
+)
 
 
 class HttpSink:
@@ -103,14 +109,6 @@ def parse_retry_after(value: str | None) -> float | None:
 # The most of an answer a sink reads: a receiver's answer is a small JSON object, and an error
 # page of any size must not cost the consumer its memory.
 MAX_ANSWER_BYTES = 64 * 1024
-DELIVERED_CONFLICT = 409
-# The answers whose Retry-After is waited for instead of the backoff's delay.
-RETRY_AFTER_STATUSES = frozenset({429, 503})
-# The receiver is down or busy: tried again, with the offset held.
-UNAVAILABLE_4XX = frozenset({408, 425, 429})
-# The destination is wrong, not the data (a wrong or rotated secret, a skewed clock, a route not
-# served yet): tried again, with the offset held, until an operator fixes it.
-WRONG_DESTINATION_4XX = frozenset({401, 403, 404, 405})
 
 
 def failure_of(status: int) -> Failure | None:
@@ -142,10 +140,11 @@ async def read_capped(response: aiohttp.ClientResponse, limit: int = MAX_ANSWER_
 
 @dataclass(frozen=True)
 class Answer:
-    """A receiver's answer that delivered the events: "delivered" or "conflict_processed", and
-    its JSON object (for a 409, whatever object it sent, or an empty one)."""
+    """A receiver's answer that delivered the events: Outcome.DELIVERED, or
+    Outcome.ALREADY_PROCESSED (a 409), and its JSON object (for a 409, whatever object it sent,
+    or an empty one)."""
 
-    outcome: str
+    outcome: Outcome
     body: dict[str, Any]
 
 
@@ -165,10 +164,10 @@ async def answer_of(
     body = await read_capped(response)
     if failure is None:
         if status == DELIVERED_CONFLICT:
-            return Answer("conflict_processed", _json_object(body) or {})
+            return Answer(Outcome.ALREADY_PROCESSED, _json_object(body) or {})
         answer = _json_object(body) if len(body) <= MAX_ANSWER_BYTES else None
         if answer is not None and is_receivers_answer(answer):
-            return Answer("delivered", answer)
+            return Answer(Outcome.DELIVERED, answer)
         raise DeliveryError(
             f"{what} answered HTTP {status} without the receiver's JSON answer: {_excerpt(body)}",
             failure=Failure.WRONG_DESTINATION,
@@ -201,8 +200,14 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
+# How much of an answer's body is read for its excerpt: room for any secret that starts in the
+# first 300 characters (a private key is under 4 KiB).
+EXCERPT_SCAN_BYTES = 8192
+
+
 def _excerpt(body: bytes) -> str:
     """The start of a body, fit for a log line and the dead-letter queue."""
-    text = body.decode("utf-8", errors="replace")
-    # Masked before it is cut short: a secret cut in two would escape its pattern.
+    # Only the start is kept, so only the start is masked; masked before it is cut to its final
+    # length, so a secret that crosses the 300th character is still masked whole.
+    text = body[:EXCERPT_SCAN_BYTES].decode("utf-8", errors="replace")
     return safe_error(" ".join(text.split()))[:300]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from consumer.core.events import Batch
+from consumer.core.events import Batch, Outcome
 
 
 class NullSink:
@@ -20,7 +20,8 @@ class NullSink:
     async def close(self) -> None:
         """Nothing to close."""
 
-    async def deliver(self, batch: Batch) -> None:
+    async def deliver(self, batch: Batch) -> Outcome:
         """Accept the batch."""
         self.events += batch.count
         self.batches += 1
+        return Outcome.DELIVERED

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from consumer.core import failpoints
-from consumer.core.events import JSON_TEXT, Batch, DeliveryError, Failure, json_members
+from consumer.core.events import JSON_TEXT, Batch, DeliveryError, Failure, Outcome, json_members
 from consumer.core.recording_ledger import FAILED, PENDING, UPLOADED, RecordingLedger, RecordingRow
 from consumer.sinks.http import HttpSink, answer_of, client_span
 from consumer.sinks.recording_files import (
@@ -37,11 +37,11 @@ from consumer.sinks.recording_files import (
     RecordingsDir,
     open_regular,
 )
+from consumer.wire.contract import IDEMPOTENCY_KEY_HEADER, RECORDING_UPLOAD_PATH
 from consumer.wire.signing import RecordingManifest, manifest_headers
 
 log = logging.getLogger("serversync.recording_upload")
 
-UPLOAD_PATH = "/api/ingest/recording-file"
 RECORDING_ENTITY = "recording"
 # An upload may take SYNC_TIMEOUT_SEC plus the time to send the file at this rate (bytes/s):
 # a 100 MB file is not cut off by a 30 s timeout meant for small requests, and a stalled upload
@@ -106,7 +106,7 @@ class RecordingUploadSink(HttpSink):
         for_dead_letters: bool = False,
     ) -> None:
         super().__init__(timeout_sec)
-        self.url = base_url.rstrip("/") + UPLOAD_PATH
+        self.url = base_url.rstrip("/") + RECORDING_UPLOAD_PATH
         self.ledger = ledger
         self.recordings = recordings
         # This sink delivers the events an operator retries from the dead-letter queue (`dlq
@@ -116,18 +116,19 @@ class RecordingUploadSink(HttpSink):
         self._slots = asyncio.Semaphore(concurrency)
         self._refusals: dict[str, _Refusal] = {}
 
-    async def deliver(self, batch: Batch) -> None:
+    async def deliver(self, batch: Batch) -> Outcome:
         """Handle every pending recording of the batch; the batch is done when all are.
 
         Recordings are uploaded concurrently, but the call returns only when each one is done,
         so the offset never passes an event whose recording is still in flight. A refused
         recording is raised first (the runtime then narrows the batch down and parks just it);
         otherwise the first retryable failure is raised and the batch is tried again later.
+        A batch without a recording to upload is delivered as it is: nothing of it is due here.
         """
         wanted = (wanted_recording(raw) for raw in batch.raw_entries())
         ids = list(dict.fromkeys(rid for rid in wanted if rid is not None))
         if not ids:
-            return
+            return Outcome.DELIVERED
         alone = batch.count == 1
         outcomes = await asyncio.gather(
             *(self._handle(rid, alone) for rid in ids), return_exceptions=True
@@ -141,6 +142,7 @@ class RecordingUploadSink(HttpSink):
             raise refused[0]
         if failures:
             raise failures[0]
+        return Outcome.DELIVERED
 
     async def _handle(self, recording_id: str, alone: bool) -> None:
         async with self._slots:
@@ -285,7 +287,7 @@ class RecordingUploadSink(HttpSink):
             meta_sha256=prepared.meta_sha256,
         )
         headers = {
-            "Idempotency-Key": f"{self.name}:{row.id}",
+            IDEMPOTENCY_KEY_HEADER: f"{self.name}:{row.id}",
             **manifest_headers(self._secret, manifest),
         }
         timeout = aiohttp.ClientTimeout(total=self._timeout + prepared.audio_size / MIN_UPLOAD_RATE)

@@ -24,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 from consumer.core.events import JSON_TEXT, Batch, DeadLetter, Position, json_members
 from consumer.observability.redact import safe_error
 from consumer.store.queries import query
+from consumer.wire.entries import encode_entries
 
 MAX_PAGE_SIZE = 100
 DEFAULT_PAGE_SIZE = 20
@@ -89,8 +90,8 @@ class DlqMessage:
     last_retry_at: datetime | None
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON shape of the admin API and `dlq ... --json` (one message with
-        its delivery state, plus the event's own fields). The payload is embedded as its stored JSON text, as is."""
+        """The JSON shape of the admin API and `dlq ... --json`: one message with its delivery
+        state, plus the event's own fields. The payload is embedded as its stored JSON text."""
         return {
             "id": str(self.id),
             "consumer": self.consumer,
@@ -298,7 +299,7 @@ class DlqStore:
             end=Position.start(),
             min_seq=claimed.seq,
             max_seq=claimed.seq,
-            entries_json=bytes(entry[0]),
+            entries_json=encode_entries([entry]),
         )
         return ClaimedMessage(claimed, batch)
 

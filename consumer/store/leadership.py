@@ -27,11 +27,6 @@ class LeaderLock:
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._held = False
 
-    @property
-    def held(self) -> bool:
-        """Whether this process believes it holds the lock (check() confirms)."""
-        return self._held
-
     async def try_acquire(self) -> bool:
         """Take the lock if nobody holds it; never waits."""
         if self._conn is None or self._conn.closed:

@@ -9,14 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from consumer.core.events import Batch, DeadLetter, Position
 from consumer.observability.redact import safe_error
 from consumer.store.dlq import park_parameters
 from consumer.store.queries import query
+from consumer.wire.entries import encode_entries
 
 
 class FencedError(Exception):
@@ -42,24 +41,6 @@ class Leadership:
 
     epoch: int
     position: Position
-
-
-def _wire_entries(rows: list[tuple[Any, ...]]) -> bytes:
-    """The read_batch rows as the ingest API's JSON array of entries."""
-    return orjson.dumps(
-        [
-            {
-                "entityType": row[4],
-                "entityId": row[5],
-                "op": row[3],
-                "seq": row[2],
-                # The json text the relay stored, passed through unparsed.
-                "payload": orjson.Fragment(row[6]),
-                "createdAt": row[7],
-            }
-            for row in rows
-        ]
-    )
 
 
 class OutboxStore:
@@ -88,7 +69,7 @@ class OutboxStore:
             end=Position(int(last[1]), last[2]),
             min_seq=min(seqs),
             max_seq=max(seqs),
-            write_entries=functools.partial(_wire_entries, rows),
+            write_entries=functools.partial(encode_entries, rows),
         )
         return ReadResult(batch, held_back)
 
@@ -114,15 +95,6 @@ class OutboxStore:
             raise UnknownConsumerError(consumer)
         epoch, last_txid, last_seq = row
         return Leadership(epoch, Position(int(last_txid), last_seq))
-
-    async def current_position(self, consumer: str, epoch: int) -> Position:
-        """The stored position, as long as `epoch` still leads (else FencedError)."""
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(query("read_position"), {"consumer": consumer, "epoch": epoch})
-            row = await cur.fetchone()
-        if row is None:
-            raise FencedError(f"consumer {consumer}: epoch {epoch} no longer leads")
-        return Position(int(row[0]), row[1])
 
     async def commit_offset(
         self,
@@ -182,13 +154,6 @@ class OutboxStore:
                 query("set_waiting"), {"consumer": consumer, "waiting": waiting}, prepare=True
             )
 
-    async def record_error(self, consumer: str, epoch: int, error: str) -> None:
-        """Keep the last delivery error for `serversync status`."""
-        async with self._pool.connection() as conn:
-            await conn.execute(
-                query("record_error"), {"consumer": consumer, "epoch": epoch, "error": error[:2000]}
-            )
-
     async def record_failure(self, consumer: str, epoch: int, error: str, reason: str) -> None:
         """A failed delivery that is tried again: the last error, and since when and why
         deliveries fail (cleared by the next offset commit)."""
@@ -207,12 +172,3 @@ class OutboxStore:
         """Clear the leader columns on a clean stop."""
         async with self._pool.connection() as conn:
             await conn.execute(query("release_leadership"), {"consumer": consumer, "epoch": epoch})
-
-    async def snapshot_row(self, consumer: str) -> dict[str, Any] | None:
-        """The consumer's offsets row, for diagnostics."""
-        async with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-            await cur.execute(
-                "SELECT * FROM sync.consumer_offsets WHERE consumer = %s", (consumer,)
-            )
-            row: dict[str, Any] | None = await cur.fetchone()
-            return row

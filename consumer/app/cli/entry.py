@@ -1,0 +1,30 @@
+"""`main`: parse, run the command, and turn the errors an operator can fix into one line and an
+exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from consumer.app.cli.common import EXIT_CONFIG, EXIT_ERROR
+from consumer.app.cli.parser import build_parser
+from consumer.app.settings import ConfigError
+from consumer.app.startup import StartupError
+from consumer.store import admin, migrations
+from consumer.store.dlq import DlqError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `serversync` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        exit_code: int = asyncio.run(args.handler(args))
+    except ConfigError as exc:
+        print(f"serversync: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (StartupError, admin.AdminError, migrations.MigrationError, DlqError) as exc:
+        print(f"serversync: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return exit_code

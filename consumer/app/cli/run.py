@@ -1,0 +1,33 @@
+"""`serversync run CONSUMER`: one consumer process, until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+
+from consumer.app.cli.common import Subparsers, backend_settings
+from consumer.app.wiring import CONSUMERS, SINKS, run_consumer
+from consumer.observability.telemetry import setup_telemetry
+
+
+def register(sub: Subparsers) -> None:
+    """Add `run` to the command line."""
+    p = sub.add_parser("run", help="run a consumer until SIGTERM/SIGINT")
+    p.add_argument("consumer", choices=CONSUMERS)
+    p.add_argument(
+        "--sink",
+        choices=SINKS,
+        default="default",
+        help="'null' accepts every batch without sending it (benchmarks)",
+    )
+    p.set_defaults(handler=run)
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Run the consumer; its telemetry is flushed on the way out."""
+    settings = backend_settings(args)
+    telemetry = setup_telemetry(f"serversync-{args.consumer}")
+    try:
+        await run_consumer(settings, args.consumer, args.sink, telemetry=telemetry)
+    finally:
+        telemetry.shutdown()
+    return 0

@@ -1,0 +1,272 @@
+"""The pipeline of one lead: read, deliver, commit, in order; wait when there is nothing to read.
+
+While a backlog drains, the next batch is read while earlier ones are delivered (read-ahead),
+and up to `max_in_flight` batches are delivered at once; their offsets are committed strictly in
+order, so the stored position never passes an unsettled batch. A short batch ends the read-ahead:
+everything in flight is settled before reading again. While events arrive fast, the loop then
+waits `batch_wait` before that read, so that they gather into fewer, bigger batches (ReadPacer).
+When reads come back empty, the waiting flag (consumer/runtime/waiting.py) asks for a NOTIFY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import psycopg
+from opentelemetry import trace
+
+from consumer.core.events import Batch, Outcome, Position
+from consumer.observability import instruments
+from consumer.runtime.config import RuntimeConfig
+from consumer.runtime.pacing import ReadPacer
+from consumer.runtime.settle import Settled, Settler
+from consumer.runtime.stats import RuntimeStats
+from consumer.runtime.steps import LeadershipLostError, Steps
+from consumer.runtime.waiting import WaitingFlag, count_wakeup, wait_for_work
+from consumer.runtime.wakeup import NotifyListener
+from consumer.store.outbox import FencedError, OutboxStore, ReadResult
+
+log = logging.getLogger("serversync.runtime")
+
+
+@dataclass
+class _InFlight:
+    """A batch being settled in its own task; committed in read order by the loop."""
+
+    batch: Batch
+    span: trace.Span
+    started: float
+    task: asyncio.Task[Settled | None]
+
+
+class Pipeline:
+    """Drains the outbox for one lead (one epoch) until a stop or a lost lead."""
+
+    def __init__(
+        self,
+        consumer: str,
+        epoch: int,
+        *,
+        store: OutboxStore,
+        settler: Settler,
+        listener: NotifyListener | None,
+        config: RuntimeConfig,
+        stats: RuntimeStats,
+        steps: Steps,
+    ) -> None:
+        self.consumer = consumer
+        self.epoch = epoch
+        self.store = store
+        self.settler = settler
+        self.config = config
+        self.stats = stats
+        self.steps = steps
+        self.waiting = WaitingFlag(consumer, store, steps, listener, linger=config.linger)
+        # Without a listener nothing sets it: the loop wakes on its timers alone.
+        self.wakeup = listener.event if listener is not None else asyncio.Event()
+        self._labels = {"consumer": consumer}
+
+    async def drain(self, position: Position) -> None:
+        """Read, deliver, commit from `position` on; when reads come back empty, wait."""
+        limit = self.config.batch_size
+        window = max(1, self.config.max_in_flight)
+        await self.waiting.start()
+        pacer = ReadPacer(self.config.batch_wait, self.config.batch_wait_min_rate)
+        prefetch: asyncio.Task[ReadResult] | None = None
+        in_flight: collections.deque[_InFlight] = collections.deque()
+        try:
+            while not self.steps.stop_event.is_set():
+                self.steps.raise_if_lost()
+                self.waiting.resync()
+                result = await self._next_read(prefetch, position, limit)
+                prefetch = None
+                batch = result.batch
+                if batch is None:
+                    if in_flight:
+                        # A read-ahead found nothing new: settle what is out, then look again.
+                        if not await self._finish_all(in_flight):
+                            return
+                    elif not await self.waiting.read_again():
+                        await self._sleep(held_back=result.held_back)
+                    continue
+                pacer.observe(batch.count)
+                in_flight.append(self._start_delivery(batch))
+                await self.waiting.found_events()
+                position = batch.end
+                if batch.count == limit:
+                    prefetch = asyncio.create_task(self.store.read_batch(position, limit))
+                    while len(in_flight) >= window:
+                        if not await self._finish(in_flight.popleft()):
+                            return
+                elif not await self._finish_all(in_flight):
+                    return
+                elif pause := pacer.pause():
+                    await self._paced_wait(pause)
+            # Stopping: the batches still out had the same grace as the one just settled
+            # (Settler._deliver_once); commit those that were answered, so they are not sent
+            # again.
+            await self._finish_all(in_flight)
+        finally:
+            if prefetch is not None:
+                prefetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                    await prefetch
+            await self._abandon(in_flight)
+            await self.waiting.stop()
+
+    async def _next_read(
+        self, prefetch: asyncio.Task[ReadResult] | None, position: Position, limit: int
+    ) -> ReadResult:
+        """The prefetched read when there is one, else a fresh read (with database retries)."""
+        if prefetch is not None:
+            # A failed read-ahead is read again below, with the retries of a fresh read.
+            with contextlib.suppress(psycopg.Error):
+                return await prefetch
+        # A NOTIFY that arrives from here on must wake the next wait.
+        self.wakeup.clear()
+        return await self.steps.with_db_retry(
+            functools.partial(self.store.read_batch, position, limit), batch=True
+        )
+
+    async def _sleep(self, *, held_back: bool) -> None:
+        """Nothing to read: sleep until a NOTIFY, the poll timer or, while an older open
+        transaction holds the horizon back, the re-check timer."""
+        timeout = self.config.recheck_interval if held_back else self.config.poll_interval
+        reason = await wait_for_work(
+            self.steps, self.stats, self.wakeup, timeout, held_back=held_back
+        )
+        count_wakeup(self.consumer, self.stats, reason)
+
+    async def _paced_wait(self, seconds: float) -> None:
+        """Let events gather for the next read (everything read so far is committed)."""
+        count_wakeup(self.consumer, self.stats, "paced")
+        self.stats.sleeping = "paced"
+        try:
+            await self.steps.sleep_unless_stopped(seconds)
+        finally:
+            self.stats.sleeping = None
+
+    def _start_delivery(self, batch: Batch) -> _InFlight:
+        """Start settling `batch` in a task of its own, inside the batch's span."""
+        span = instruments.tracer.start_span(
+            f"{self.consumer} deliver batch",
+            attributes={
+                "serversync.consumer": self.consumer,
+                "serversync.batch.count": batch.count,
+                "serversync.batch.min_seq": batch.min_seq,
+                "serversync.batch.max_seq": batch.max_seq,
+            },
+        )
+
+        async def settle() -> Settled | None:
+            with trace.use_span(span, end_on_exit=False, record_exception=False):
+                return await self.settler.settle(batch)
+
+        task = asyncio.create_task(settle(), name=f"deliver:{self.consumer}:{batch.seq_range}")
+        return _InFlight(batch, span, time.monotonic(), task)
+
+    async def _finish_all(self, in_flight: collections.deque[_InFlight]) -> bool:
+        """Settle and commit everything in flight, oldest first; False if stopped first."""
+        while in_flight:
+            if not await self._finish(in_flight.popleft()):
+                return False
+        return True
+
+    async def _finish(self, delivery: _InFlight) -> bool:
+        """Wait for the oldest batch in flight to settle, then commit it (parking what could not
+        be delivered). False if stopped before the batch was settled: it is delivered again
+        later, and so is everything after it."""
+        span = delivery.span
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                settled = await delivery.task
+                if settled is None:
+                    span.set_attribute("serversync.outcome", Outcome.ABANDONED.value)
+                    return False
+                await self._commit(delivery.batch, settled)
+                self._report(delivery, settled)
+        finally:
+            span.end()
+        return True
+
+    async def _commit(self, batch: Batch, settled: Settled) -> None:
+        """Move the offset past `batch`, parking its refused entries in the same transaction."""
+        parked = settled.parked
+        delivered = batch.count - len(parked)
+        try:
+            await self.steps.with_db_retry(
+                functools.partial(
+                    self.store.commit_offset,
+                    self.consumer,
+                    self.epoch,
+                    batch.end,
+                    delivered,
+                    parked=parked,
+                    max_retries=self.config.dlq_max_retries,
+                ),
+                batch=True,
+            )
+        except FencedError as exc:
+            raise LeadershipLostError(str(exc)) from exc
+        stats = self.stats
+        stats.position = batch.end
+        if stats.failing_since is not None:
+            log.info(
+                "consumer %s: delivering again after %.0fs of failures (%s)",
+                self.consumer,
+                time.time() - stats.failing_since,
+                stats.failing_reason,
+            )
+            stats.recover()
+        stats.delivered_events += delivered
+        stats.parked_events += len(parked)
+        if parked:
+            self.settler.count_events(len(parked), Outcome.PARKED)
+        stats.delivered_batches += 1
+
+    def _report(self, delivery: _InFlight, settled: Settled) -> None:
+        """Span outcome, metrics and the one log line of a committed batch."""
+        batch = delivery.batch
+        parked = len(settled.parked)
+        duration = time.monotonic() - delivery.started
+        outcome = settled.outcome.value
+        delivery.span.set_attribute("serversync.outcome", outcome)
+        instruments.BATCH_SIZE.record(batch.count, self._labels)
+        instruments.BATCH_DURATION.record(duration, self._labels)
+        log.info(
+            "consumer %s: %s %d events seq %s in %.1f ms (%d parked)",
+            self.consumer,
+            outcome,
+            batch.count - parked,
+            batch.seq_range,
+            duration * 1000,
+            parked,
+            extra={
+                "consumer": self.consumer,
+                "seq_range": batch.seq_range,
+                "events": batch.count,
+                "parked": parked,
+                "outcome": outcome,
+                "duration_ms": round(duration * 1000, 3),
+            },
+        )
+
+    async def _abandon(self, in_flight: collections.deque[_InFlight]) -> None:
+        """Cancel deliveries that will not be committed (stop, lost lead, error)."""
+        for delivery in in_flight:
+            delivery.task.cancel()
+        try:
+            # return_exceptions: the deliveries' own ends (cancelled, failed) are not ours to
+            # raise; a cancellation of this task still propagates.
+            await asyncio.gather(*(d.task for d in in_flight), return_exceptions=True)
+        finally:
+            for delivery in in_flight:
+                delivery.span.set_attribute("serversync.outcome", Outcome.ABANDONED.value)
+                delivery.span.end()
+            in_flight.clear()
