@@ -1,17 +1,42 @@
-"""The benchmark still runs end to end (tiny sizes): it is not a test of speed."""
+"""The benchmark end to end at tiny sizes: not a test of speed, but of what a reader of its result
+relies on. Every measurement stands beside the references it is judged against, the ratios and
+the derived figures say what the raw figures say, percentiles are ordered, every mode the run
+was set up for is there (each with as many runs as rounds were asked for), each target reports
+the figure it names, and the summary and the chart are written.
+
+Both runs take minutes: they are marked `slow` (deselect with `-m "not slow"`; `make test` and
+.ci/run run them)."""
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.producer import BULK_MODES, DURABLE_MODES, KINDS, MODES, RELAY_COST_TABLES
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+# The drain's references, each a way to move the same backlog without serversync, and the
+# product's two runs measured against them.
+DRAIN_REFERENCES = ("in_database", "python_loop", "read_walk")
+DRAIN_PRODUCT = ("product_http", "product_null")
+# Each drain ratio: (numerator, denominator) of events_per_sec.
+DRAIN_RATIOS = {
+    "http_to_in_database": ("product_http", "in_database"),
+    "http_to_python_loop": ("product_http", "python_loop"),
+    "null_to_in_database": ("product_null", "in_database"),
+    "null_to_read_walk": ("product_null", "read_walk"),
+}
 
 
 def _bench(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -28,7 +53,184 @@ def _bench(*argv: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
+def assert_ratio(ratio: float, numerator: float, denominator: float, what: str) -> None:
+    """A ratio the result rounds (to 3 places, from figures it rounds to 1 or 2) is the quotient
+    of the figures it reports."""
+    assert denominator > 0, what
+    assert math.isclose(ratio, numerator / denominator, rel_tol=0.01, abs_tol=0.002), (
+        what,
+        ratio,
+        numerator,
+        denominator,
+    )
+
+
+def assert_difference(added: float, minuend: float, subtrahend: float, what: str) -> None:
+    """An 'added' figure is the difference of the two figures it reports (each rounded)."""
+    assert math.isclose(added, minuend - subtrahend, abs_tol=0.11), (
+        what,
+        added,
+        minuend,
+        subtrahend,
+    )
+
+
+def check_drain(drain: dict[str, Any], parameters: dict[str, Any]) -> None:
+    """Every reference and product run drained the whole backlog, at the rate its events and
+    seconds give, and each ratio is the quotient of the two rates it names."""
+    assert (drain["events"], drain["batch_size"]) == (parameters["events"], 1000)
+    for key in (*DRAIN_REFERENCES, *DRAIN_PRODUCT):
+        figures = drain[key]
+        assert figures["events"] == parameters["events"], key
+        assert figures["seconds"] > 0, key
+        assert math.isclose(
+            figures["events_per_sec"], figures["events"] / figures["seconds"], rel_tol=1e-6
+        ), key
+        cpu = figures.get("cpu_us_per_event") or {}
+        if cpu:  # the total is the sum of the parts (each rounded to 0.01 us)
+            parts = [v for part, v in cpu.items() if part != "total"]
+            assert math.isclose(cpu["total"], sum(parts), abs_tol=0.01 * len(parts) + 0.01), (
+                key,
+                cpu,
+            )
+    assert set(drain["ratios"]) == set(DRAIN_RATIOS)
+    for name, (top, bottom) in DRAIN_RATIOS.items():
+        assert_ratio(
+            drain["ratios"][name],
+            drain[top]["events_per_sec"],
+            drain[bottom]["events_per_sec"],
+            name,
+        )
+    assert (drain["product_http"]["sink"], drain["product_null"]["sink"]) == ("http", "null")
+    assert drain["product_http"]["consumer_peak_rss_mb"] > 0
+    assert drain["product_http"]["receiver_peak_rss_mb"] > 0
+    assert drain["product_null"]["receiver_peak_rss_mb"] is None  # no receiver runs
+    # Where the CPU went: the references always say it (the product only when its drain spans
+    # more than one poll, which 3,000 events may not).
+    assert {"python", "postgres backend", "total"} <= set(drain["python_loop"]["cpu_us_per_event"])
+
+
+def check_latency(runs: list[dict[str, Any]], parameters: dict[str, Any]) -> None:
+    """One run with NOTIFY and one polling only, each of every event committed, with ordered
+    percentiles; the polling run polled at the interval asked for."""
+    by_mode = {run["mode"]: run for run in runs}
+    assert sorted(by_mode) == ["notify", "poll-only"]
+    assert len(runs) == 2
+    for mode, run in by_mode.items():
+        assert run["target_rate"] == parameters["rate"], mode
+        assert run["events"] == int(parameters["rate"] * parameters["seconds"]), mode
+        assert run["achieved_rate"] > 0, mode
+        assert 0 <= run["p50_ms"] <= run["p95_ms"] <= run["p99_ms"] <= run["max_ms"], run
+    assert by_mode["poll-only"]["poll_interval_sec"] == parameters["poll_interval"]
+
+
+def check_producer(producer: dict[str, Any], parameters: dict[str, Any]) -> None:
+    """Every mode the run was set up for, with one run per round; the median of the runs; each
+    ratio the quotient of its mode's tps and its block's untracked tps; the relay's cost per row
+    the difference of the statements' times it reports."""
+    modes = [*MODES, *BULK_MODES]
+    if parameters["server"] == "private cluster":  # durable settings need a cluster of its own
+        modes += DURABLE_MODES
+    names = {mode.name for mode in modes}
+    assert producer["rounds"] == parameters["rounds"]
+    assert set(producer["tps"]) == names
+    assert set(producer["tps_runs"]) == names
+    assert set(producer["ratio_to_untracked"]) == names
+    assert set(producer["cpu_us_per_tx"]) == names
+    tps = producer["tps"]
+    for name in names:
+        runs = producer["tps_runs"][name]
+        assert len(runs) == parameters["rounds"], name
+        assert all(run > 0 for run in runs), (name, runs)
+        assert math.isclose(tps[name], statistics.median(runs), abs_tol=0.051), (name, runs)
+        base = next(
+            (f"{block}untracked" for block in ("durable_", "bulk_") if name.startswith(block)),
+            "untracked",
+        )
+        assert_ratio(producer["ratio_to_untracked"][name], tps[name], tps[base], name)
+        cpu = producer["cpu_us_per_tx"][name]
+        assert {"postgres", "pgbench", "total", "steal"} <= set(cpu), (name, cpu)
+        assert cpu["total"] > 0, (name, cpu)
+        # A consumer's CPU is reported only where a consumer runs.
+        mode = next(mode for mode in modes if mode.name == name)
+        if mode.consumer is None:
+            assert "consumer" not in cpu, (name, cpu)
+    assert_ratio(
+        producer["tracked_to_minimal_trigger"],
+        tps["tracked_no_notify"],
+        tps["minimal_trigger"],
+        "tracked_to_minimal_trigger",
+    )
+    assert_ratio(
+        producer["bulk_tracked_to_minimal_trigger"],
+        tps["bulk_tracked_no_notify"],
+        tps["bulk_minimal_trigger"],
+        "bulk_tracked_to_minimal_trigger",
+    )
+    cost = producer["relay_cost"]
+    kinds = {f"{kind}_{table}" for kind in KINDS for table in RELAY_COST_TABLES}
+    for timings in ("one_transaction", "own_transactions"):
+        figures = cost[timings]
+        us = figures["us_per_statement"]
+        assert set(us) == kinds, timings
+        assert all(value > 0 for value in us.values()), (timings, us)
+        for name, runs in figures["us_per_statement_runs"].items():
+            assert len(runs) == cost["rounds"], (timings, name)
+            assert math.isclose(us[name], statistics.median(runs), abs_tol=0.006), (timings, name)
+        for kind in KINDS:
+            for added, table in (
+                ("relay_us_per_row", "tracked"),
+                ("minimal_trigger_us_per_row", "minimal"),
+            ):
+                assert_difference(
+                    figures[added][kind],
+                    us[f"{kind}_{table}"],
+                    us[f"{kind}_untracked"],
+                    f"{timings} {added} {kind}",
+                )
+
+
+def check_targets(result: dict[str, Any]) -> None:
+    """Each target reports the very figure it names, and says met when that figure meets it."""
+    targets = result["targets"]
+    drain, producer = result["drain"], result["producer"]
+    ratios = producer["ratio_to_untracked"]
+    by_mode = {run["mode"]: run for run in result["latency"]}
+    measured = {
+        "drain_http_events_per_sec": round(drain["product_http"]["events_per_sec"]),
+        "drain_null_sink_events_per_sec": round(drain["product_null"]["events_per_sec"]),
+        "drain_http_vs_python_loop": drain["ratios"]["http_to_python_loop"],
+        "drain_http_share_of_ceiling": drain["ratios"]["http_to_in_database"],
+        "drain_null_sink_share_of_ceiling": drain["ratios"]["null_to_in_database"],
+        "drain_null_sink_vs_read_walk": drain["ratios"]["null_to_read_walk"],
+        "consumer_peak_rss_mb": drain["product_http"]["consumer_peak_rss_mb"],
+        "latency_p99_ms_notify": by_mode["notify"]["p99_ms"],
+        "latency_max_ms_poll_only": by_mode["poll-only"]["max_ms"],
+        "producer_tracked_wakeups_on_ratio": ratios["tracked_wakeups_on"],
+    }
+    assert set(measured) <= set(targets), sorted(targets)
+    for name, figure in measured.items():
+        assert math.isclose(targets[name]["measured"], figure, abs_tol=0.0015), (name, targets)
+    met = {
+        "drain_http_vs_python_loop": measured["drain_http_vs_python_loop"] >= 1.0,
+        "consumer_peak_rss_mb": measured["consumer_peak_rss_mb"] <= 100,
+        "latency_p99_ms_notify": measured["latency_p99_ms_notify"] < 10,
+        "latency_max_ms_poll_only": measured["latency_max_ms_poll_only"]
+        <= poll_only_bound(by_mode["poll-only"]),
+        "producer_tracked_wakeups_on_ratio": measured["producer_tracked_wakeups_on_ratio"] >= 0.75,
+    }
+    for name, expected in met.items():
+        assert targets[name]["met"] is expected, (name, targets[name])
+    for name, check in targets.items():
+        assert isinstance(check["target"], str) and check["target"], name
+
+
+def poll_only_bound(run: dict[str, Any]) -> float:
+    """The polling run's latency bound: its poll interval and 100 ms."""
+    return float(run["poll_interval_sec"]) * 1000 + 100
+
+
+def test_bench_all_reports_each_figure_beside_its_references(tmp_path: Path) -> None:
     result = _bench(
         *("all", "--quick", "--events", "3000", "--seconds", "1", "--rounds", "1"),
         *("--rate", "100", "--poll-interval", "0.3", "--name", "smoke", "--out", str(tmp_path)),
@@ -37,38 +239,36 @@ def test_bench_all_writes_results_and_a_chart(tmp_path: Path) -> None:
     assert logs is not None, result.stderr[-3000:]
     assert not Path(logs.group(1)).exists(), "a run that succeeded leaves no logs behind"
     figures = orjson.loads((tmp_path / "smoke.json").read_bytes())
-    drain = figures["drain"]
-    assert drain["events"] == 3000
-    for key in ("in_database", "python_loop", "read_walk", "product_http", "product_null"):
-        assert drain[key]["events_per_sec"] > 0
-    assert drain["product_http"]["consumer_peak_rss_mb"] > 0
-    # Where the CPU went: the references always say it (the product only when its drain
-    # spans more than one poll, which 3,000 events may not).
-    assert {"python", "postgres backend", "total"} <= set(drain["python_loop"]["cpu_us_per_event"])
-    assert "CPU us/event" in result.stdout
-    assert {run["mode"] for run in figures["latency"]} == {"notify", "poll-only"}
-    assert set(figures["producer"]["tps"]) >= {"untracked", "tracked_wakeups_on", "minimal_trigger"}
-    assert figures["producer"]["tracked_to_minimal_trigger"] > 0
-    assert "against a minimal outbox row trigger" in result.stdout
-    assert set(figures["producer"]["tps"]) >= {"bulk_untracked", "bulk_tracked_no_notify"}
-    assert figures["producer"]["bulk_tracked_to_minimal_trigger"] > 0
-    assert "100-row statements, tracked (no NOTIFY)" in result.stdout
-    cpu = figures["producer"]["cpu_us_per_tx"]
-    assert cpu["untracked"]["total"] > 0
-    assert {"postgres", "pgbench", "consumer", "total", "steal"} <= set(cpu["tracked_wakeups_on"])
-    assert "producer_tracked_wakeups_on_ratio" in figures["targets"]
-    kinds = {
-        f"{op}_{table}"
-        for op in ("insert", "update")
-        for table in ("untracked", "tracked", "minimal")
+    parameters = figures["parameters"]
+    assert figures["name"] == "smoke"
+    assert {key: parameters[key] for key in ("events", "rate", "seconds", "poll_interval")} == {
+        "events": 3000,
+        "rate": 100.0,
+        "seconds": 1.0,
+        "poll_interval": 0.3,
     }
-    for timings in ("one_transaction", "own_transactions"):
-        relay = figures["producer"]["relay_cost"][timings]["us_per_statement"]
-        assert set(relay) == kinds
-        assert all(us > 0 for us in relay.values())
-    assert "single-row statements each its own transaction" in result.stdout
+    assert (parameters["quick"], parameters["rounds"]) == (True, 1)
+    assert {"python", "postgres", "cpus", "git_ref"} <= set(figures["machine"])
+    check_drain(figures["drain"], parameters)
+    check_latency(figures["latency"], parameters)
+    check_producer(figures["producer"], parameters)
+    check_targets(figures)
+
+    # The summary a reader sees says the same.
+    out = result.stdout
+    assert "drain of 3,000 events" in out
+    assert "CPU us/event" in out
+    for run in figures["latency"]:
+        assert f"p99 {run['p99_ms']} ms" in out, run
+    for name, ratio in figures["producer"]["ratio_to_untracked"].items():
+        assert re.search(rf"^  {name} +[\d,.]+  {ratio:.3f}", out, re.MULTILINE), name
+    assert "against a minimal outbox row trigger" in out
+    assert "100-row statements, tracked (no NOTIFY)" in out
+    assert "single-row statements each its own transaction" in out
+    for name, check in figures["targets"].items():
+        mark = "ok  " if check["met"] else "MISS"
+        assert f"[{mark}] {name}: {check['measured']}" in out, name
     assert (tmp_path / "smoke.png").stat().st_size > 1000
-    assert "drain of 3,000 events" in result.stdout
 
 
 @pytest.mark.skipif(
@@ -80,13 +280,22 @@ def test_bench_instructions_counts_what_the_relay_adds(tmp_path: Path) -> None:
     counts = orjson.loads((tmp_path / "count.json").read_bytes())["instructions"]
     per_statement = counts["thousand_instructions_per_statement"]
     assert set(per_statement) == {
-        f"{kind}_{table}"
-        for kind in ("insert", "update")
-        for table in ("untracked", "tracked", "minimal")
+        f"{kind}_{table}" for kind in KINDS for table in ("untracked", "tracked", "minimal")
     }
-    # Both triggers write a row more than the untracked statement: each adds instructions.
-    for kind in ("insert", "update"):
-        assert counts["relay_added"][kind] > 0
-        assert counts["minimal_trigger_added"][kind] > 0
+    assert all(count > 0 for count in per_statement.values()), per_statement
+    assert counts["statements"] > 0
+    # Both triggers write a row more than the untracked statement: each adds instructions, and
+    # what each adds is the difference of the counts reported beside it.
+    for kind in KINDS:
+        relay, minimal = counts["relay_added"][kind], counts["minimal_trigger_added"][kind]
+        assert relay > 0
+        assert minimal > 0
+        untracked = per_statement[f"{kind}_untracked"]
+        assert_difference(relay, per_statement[f"{kind}_tracked"], untracked, kind)
+        assert_difference(minimal, per_statement[f"{kind}_minimal"], untracked, kind)
+        assert math.isclose(
+            counts["relay_to_minimal_trigger"][kind], relay / minimal, abs_tol=0.006
+        ), kind
+        assert f"relay +{relay}" in result.stdout, kind
     assert "relay / minimal trigger" in result.stdout
     assert (tmp_path / "count.png").stat().st_size > 1000

@@ -341,7 +341,7 @@ async def test_reset_of_an_unknown_consumer_names_the_known_ones(backend_dsn: st
     await register(backend_dsn)
     env = cli_env(DATABASE_URL=backend_dsn)
     result = await run_cli("offsets", "reset", "no-such", "--to-earliest", env=env)
-    assert_one_line_error(result, 1, "no consumer named 'no-such'", f"known: {CONSUMER}")
+    assert_one_line_error(result, 2, "no consumer named 'no-such'", f"known: {CONSUMER}")
 
 
 async def test_reset_rejects_a_datetime_without_offset(backend_dsn: str) -> None:
@@ -454,7 +454,7 @@ async def test_status_shows_backlog_lag_and_leader(backend_dsn: str) -> None:
     assert row["leader_pid"] is None
     assert row["backlog"] == 3
     assert 0 < row["lag_seconds"] < 60
-    assert_one_line_error(unknown, 1, "no consumer named 'nope'")
+    assert_one_line_error(unknown, 2, "no consumer named 'nope'")
 
 
 async def test_a_backlog_too_large_to_count_each_time_is_estimated_from_seqs(

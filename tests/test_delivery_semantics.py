@@ -9,22 +9,22 @@ secret and a redirect, and checks what an operator sees meanwhile (/readyz, `ser
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import psycopg
 import pytest
-from aiohttp import web
 
-from consumer.core.events import Batch, Failure
+from consumer.core.events import Batch, Failure, Outcome
 from consumer.devtools.devdb import free_port
-from consumer.runtime.backoff import Backoff
-from consumer.runtime.worker import RETRY_AFTER_CEILING_SEC, RETRY_AFTER_FLOOR_SEC, retry_delay
+from consumer.runtime.backoff import (
+    RETRY_AFTER_CEILING_SEC,
+    RETRY_AFTER_FLOOR_SEC,
+    Backoff,
+    retry_delay,
+)
 from consumer.sinks.http import failure_of
 from tests.conftest import (
     cli_env,
@@ -33,28 +33,26 @@ from tests.conftest import (
     finish,
     make_settings,
     running_consumer,
-    serve_app,
     start_cli,
-    wait_until,
 )
-from tests.helpers_failures import (
+from tests.support.backend import committed_position, consuming, execute, insert_calls
+from tests.support.dlq import dead_letters
+from tests.support.processes import Processes
+from tests.support.receivers import (
     INGEST_PATH,
     Attempt,
     Reply,
-    committed_position,
-    dlq,
+    Script,
+    scripted_receiver,
     serve_reference_receiver,
-    serve_scripted_receiver,
 )
-from tests.helpers_processes import Processes, insert_calls, outbox_end
+from tests.support.waiting import caught_up, wait_until
 
 SECRET = "the-secret-both-sides-share-0123"  # noqa: S105 - a test secret
 OTHER_SECRET = "a-secret-the-consumer-does-not-hold"  # noqa: S105 - a test secret
-
-
-async def execute(dsn: str, statements: str) -> None:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await conn.execute(statements.encode())
+# Retries faster than the other tests': an outage here lasts 30 attempts. SYNC_MAX_ATTEMPTS is
+# left at its default (never give up).
+FAST_RETRIES = {"SYNC_RETRY_INITIAL_SEC": 0.02, "SYNC_RETRY_MAX_SEC": 0.1}
 
 
 # -- the classification, as a pure policy ---------------------------------------------------------
@@ -110,23 +108,7 @@ def test_retry_after_replaces_the_backoff_within_its_bounds(
 # -- in-process consumers against scripted receivers ----------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def consuming(dsn: str, url: str, **overrides: Any) -> AsyncIterator[Any]:
-    """An in-process frontend-sync consumer with short retry delays and the default
-    SYNC_MAX_ATTEMPTS (never give up)."""
-    settings = make_settings(
-        dsn, url, SYNC_RETRY_INITIAL_SEC=0.02, SYNC_RETRY_MAX_SEC=0.1, **overrides
-    )
-    async with running_consumer(settings) as runtime:
-        yield runtime
-
-
-async def caught_up(dsn: str) -> bool:
-    end = await outbox_end(dsn)
-    return end is not None and await committed_position(dsn) == end
-
-
-def answers(status: int, count: int, **headers: str) -> Any:
+def answers(status: int, count: int, **headers: str) -> Script:
     """A script: the first `count` requests get `status`, the rest are accepted."""
 
     def script(attempt: Attempt) -> Reply | None:
@@ -143,8 +125,8 @@ async def test_an_outage_longer_than_the_old_attempt_limit_parks_nothing(backend
     offset never moves meanwhile, and it is delivered once the receiver is back."""
     await insert_calls(backend_dsn, 5, tag="outage")
     async with (
-        serve_scripted_receiver(answers(503, 30)) as rx,
-        consuming(backend_dsn, rx.url) as runtime,
+        scripted_receiver(answers(503, 30)) as rx,
+        consuming(backend_dsn, rx.url, **FAST_RETRIES) as runtime,
     ):
         await wait_until(lambda: len(rx.attempts) >= 10, what="ten attempts")
         assert await committed_position(backend_dsn) == (0, 0)
@@ -163,7 +145,7 @@ async def test_an_outage_longer_than_the_old_attempt_limit_parks_nothing(backend
         assert runtime.delivery_health() == {"state": "ok"}
     assert len(rx.attempts) == 31
     assert all(a.seqs == rx.attempts[0].seqs for a in rx.attempts), "the batch was split"
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
     assert await fetch_value(
         backend_dsn,
         "SELECT failing_since IS NULL AND last_error IS NULL FROM sync.consumer_offsets",
@@ -179,8 +161,8 @@ async def test_a_wrong_destination_holds_the_offset_and_is_never_bisected(
     await insert_calls(backend_dsn, 6, tag="wrongdest")
     location = {"Location": "/somewhere-else"} if status < 400 else {}
     async with (
-        serve_scripted_receiver(answers(status, 5, **location)) as rx,
-        consuming(backend_dsn, rx.url) as runtime,
+        scripted_receiver(answers(status, 5, **location)) as rx,
+        consuming(backend_dsn, rx.url, **FAST_RETRIES) as runtime,
     ):
         await wait_until(lambda: len(rx.attempts) >= 3, what="three attempts")
         assert runtime.delivery_health()["reason"] == "wrong_destination"
@@ -189,7 +171,7 @@ async def test_a_wrong_destination_holds_the_offset_and_is_never_bisected(
     assert rx.statuses == [status] * 5 + [200]
     assert all(len(a.seqs) == 6 for a in rx.attempts), "the batch was split"
     assert runtime.stats.parked_events == 0
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
 
 
 @pytest.mark.parametrize(
@@ -207,15 +189,15 @@ async def test_a_2xx_that_is_not_the_receivers_answer_delivers_nothing(
         return Reply(200, body) if attempt.index < 2 else None
 
     async with (
-        serve_scripted_receiver(script) as rx,
-        consuming(backend_dsn, rx.url) as runtime,
+        scripted_receiver(script) as rx,
+        consuming(backend_dsn, rx.url, **FAST_RETRIES) as runtime,
     ):
         await wait_until(lambda: len(rx.attempts) >= 2, what="two attempts")
         assert runtime.stats.delivered_events == 0
         await wait_until(lambda: caught_up(backend_dsn), what="delivery to the real receiver")
     assert runtime.stats.failed_deliveries == 2
     assert runtime.stats.parked_events == 0
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
 
 
 async def test_a_redirect_is_not_followed_and_delivers_nothing(
@@ -226,28 +208,18 @@ async def test_a_redirect_is_not_followed_and_delivers_nothing(
     (neither the events nor the signature), and the offset stays."""
     caplog.set_level("INFO", logger="serversync")
     await insert_calls(backend_dsn, 4, tag="moved")
-    target_hits: list[str] = []
-
-    async def moved(request: web.Request) -> web.Response:
-        return web.Response(status=301, headers={"Location": "/welcome"})
-
-    async def welcome(request: web.Request) -> web.Response:
-        target_hits.append(request.method)
-        return web.Response(text="<html>Welcome</html>", content_type="text/html")
-
-    app = web.Application()
-    app.router.add_post(INGEST_PATH, moved)
-    app.router.add_route("*", "/welcome", welcome)
+    moved = Reply(301, b"", {"Location": "/welcome"})
     async with (
-        serve_app(app) as url,
-        consuming(backend_dsn, url, SYNC_SHARED_SECRET=SECRET) as runtime,
+        scripted_receiver(lambda _: moved) as rx,
+        consuming(backend_dsn, rx.url, SYNC_SHARED_SECRET=SECRET, **FAST_RETRIES) as runtime,
     ):
         await wait_until(lambda: runtime.stats.failed_deliveries >= 3, what="three attempts")
         assert runtime.delivery_health()["reason"] == "wrong_destination"
-    assert target_hits == []
+    assert rx.pages == []
+    assert set(rx.statuses) == {301}
     assert runtime.stats.delivered_events == 0
     assert await committed_position(backend_dsn) == (0, 0)
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "delivered 4 events" not in logged
     assert "answered HTTP 301 to /welcome" in logged
@@ -256,7 +228,7 @@ async def test_a_redirect_is_not_followed_and_delivers_nothing(
 async def test_retry_after_is_taken_instead_of_a_longer_backoff(backend_dsn: str) -> None:
     """A receiver that says "1 s" is tried again after 1 s, not after the backoff's 5 s."""
     await insert_calls(backend_dsn, 1, tag="busy")
-    async with serve_scripted_receiver(answers(429, 1, **{"Retry-After": "1"})) as rx:
+    async with scripted_receiver(answers(429, 1, **{"Retry-After": "1"})) as rx:
         settings = make_settings(
             backend_dsn, rx.url, SYNC_RETRY_INITIAL_SEC=5, SYNC_RETRY_MAX_SEC=10
         )
@@ -283,11 +255,11 @@ class FlakySink:
     async def close(self) -> None:
         await self.inner.close()
 
-    async def deliver(self, batch: Batch) -> str | None:
+    async def deliver(self, batch: Batch) -> Outcome:
         if self.failures > 0:
             self.failures -= 1
             raise KeyError("a value the sink did not expect\n\x00")
-        result: str | None = await self.inner.deliver(batch)
+        result: Outcome = await self.inner.deliver(batch)
         return result
 
 
@@ -302,7 +274,7 @@ async def test_an_unexpected_error_on_one_batch_is_retried_not_a_crash(
         await wait_until(lambda: caught_up(backend_dsn), what="delivery after the errors")
     assert runtime.stats.failed_deliveries == 3
     assert runtime.stats.parked_events == 0
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
     errors = [r for r in caplog.records if r.levelname == "ERROR" and "KeyError" in r.getMessage()]
     # Loud: every failure is logged, the traceback once per streak.
     assert len(errors) == 3
@@ -361,57 +333,28 @@ async def test_a_consumer_without_frontend_base_url_refuses_to_start(
 
 
 class Front:
-    """The frontend's address, played phase by phase: "down" (nothing listens), "503",
-    "wrong_secret" (a reference receiver holding another secret), "redirect" (a 301 to a page
-    that answers 200), "right" (the reference receiver with the consumer's secret). Requests
-    are passed to the receivers verbatim."""
+    """The frontend's answers once something listens at its address again, played phase by
+    phase: "503", "wrong_secret" (a reference receiver holding another secret), "redirect" (a
+    301 to a page that answers 200), "right" (the reference receiver with the consumer's
+    secret). Requests are passed to the receivers verbatim."""
 
-    def __init__(self, port: int, wrong: str, right: str) -> None:
-        self.port = port
-        self.phase = "down"
+    def __init__(self, wrong: str, right: str, session: aiohttp.ClientSession) -> None:
+        self.phase = "503"
         self.receivers = {"wrong_secret": wrong, "right": right}
-        self.redirect_target_hits = 0
-        self.statuses: list[int] = []
-        self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self.session = session
 
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
+    async def answer(self, attempt: Attempt) -> Reply:
+        """The scripted receiver's script."""
         if self.phase == "503":
-            response = web.json_response({"error": {"code": "MAINTENANCE"}}, status=503)
-        elif self.phase == "redirect":
-            response = web.Response(status=301, headers={"Location": "/moved"})
-        else:
-            assert self._session is not None
-            hop_by_hop = {"host", "content-length", "connection", "transfer-encoding"}
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in hop_by_hop}
-            async with self._session.post(
-                self.receivers[self.phase] + INGEST_PATH, data=body, headers=headers
-            ) as answer:
-                response = web.Response(
-                    status=answer.status, body=await answer.read(), content_type="application/json"
-                )
-        self.statuses.append(response.status)
-        return response
-
-    async def moved(self, request: web.Request) -> web.Response:
-        self.redirect_target_hits += 1
-        return web.Response(text="<html>moved</html>", content_type="text/html")
-
-    async def listen(self) -> None:
-        app = web.Application()
-        app.router.add_post(INGEST_PATH, self.handle)
-        app.router.add_route("*", "/moved", self.moved)
-        self._session = aiohttp.ClientSession()
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
+            return Reply(503, {"error": {"code": "MAINTENANCE"}})
+        if self.phase == "redirect":
+            return Reply(301, b"", {"Location": "/moved"})
+        hop_by_hop = {"host", "content-length", "connection", "transfer-encoding"}
+        headers = {k: v for k, v in attempt.headers.items() if k.lower() not in hop_by_hop}
+        async with self.session.post(
+            self.receivers[self.phase] + INGEST_PATH, data=attempt.body, headers=headers
+        ) as answer:
+            return Reply(answer.status, await answer.read())
 
 
 async def get_json(url: str) -> tuple[int, dict[str, Any]]:
@@ -445,8 +388,9 @@ async def test_fault_drill_outage_wrong_secret_and_redirect_lose_and_park_nothin
     async with (
         serve_reference_receiver(receiver_dsn, shared_secret=OTHER_SECRET) as (wrong_url, _),
         serve_reference_receiver(receiver_dsn, shared_secret=SECRET) as (right_url, right),
+        aiohttp.ClientSession() as session,
     ):
-        front = Front(port, wrong_url, right_url)
+        front = Front(wrong_url, right_url, session)
         with Processes(tmp_path) as procs:
             consumer = procs.consumer(
                 backend_dsn,
@@ -457,23 +401,21 @@ async def test_fault_drill_outage_wrong_secret_and_redirect_lose_and_park_nothin
                 SYNC_METRICS_INTERVAL_SEC="0.2",
             )
             ops = await consumer.ops_url()
-            try:
-                # The outage: nothing listens at the frontend's address.
-                await produce("down")
-                await consumer.wait_log("failed (attempt 12)", timeout=30)
-                code, ready = await get_json(ops + "/readyz")
-                assert code == 200, ready
-                assert ready["delivery"]["state"] == "delivery_failing", ready
-                assert ready["delivery"]["reason"] == "receiver_unavailable", ready
-                # The frontend is up again but answers 503 for a while.
-                await front.listen()
-                front.phase = "503"
+            # The outage: nothing listens at the frontend's address.
+            await produce("down")
+            await consumer.wait_log("failed (attempt 12)", timeout=30)
+            code, ready = await get_json(ops + "/readyz")
+            assert code == 200, ready
+            assert ready["delivery"]["state"] == "delivery_failing", ready
+            assert ready["delivery"]["reason"] == "receiver_unavailable", ready
+            # The frontend is up again but answers 503 for a while.
+            async with scripted_receiver(front.answer, port=port) as rx:
                 await produce("maintenance")
-                await wait_until(lambda: front.statuses.count(503) >= 12, what="twelve 503s")
+                await wait_until(lambda: rx.statuses.count(503) >= 12, what="twelve 503s")
                 # A wrong secret: the receiver holds another one.
                 front.phase = "wrong_secret"
                 await produce("wrongsecret")
-                await wait_until(lambda: front.statuses.count(401) >= 5, what="five 401s")
+                await wait_until(lambda: rx.statuses.count(401) >= 5, what="five 401s")
                 code, ready = await get_json(ops + "/readyz")
                 assert (code, ready["delivery"]["reason"]) == (200, "wrong_destination"), ready
                 row = await status_json(backend_dsn)
@@ -488,10 +430,7 @@ async def test_fault_drill_outage_wrong_secret_and_redirect_lose_and_park_nothin
                 assert "SYNC_SHARED_SECRET differs" in text.stdout, text
 
                 async def metric_says_failing() -> bool:
-                    async with (
-                        aiohttp.ClientSession() as session,
-                        session.get(ops + "/metrics") as response,
-                    ):
+                    async with session.get(ops + "/metrics") as response:
                         text = await response.text()
                     pattern = (
                         r"serversync_delivery_failing_seconds\{[^}]*"
@@ -504,7 +443,7 @@ async def test_fault_drill_outage_wrong_secret_and_redirect_lose_and_park_nothin
                 # A redirect: the frontend moved.
                 front.phase = "redirect"
                 await produce("redirect")
-                await wait_until(lambda: front.statuses.count(301) >= 5, what="five 301s")
+                await wait_until(lambda: rx.statuses.count(301) >= 5, what="five 301s")
                 assert await committed_position(backend_dsn) == (0, 0)
                 # Right again: the receiver takes the consumer's secret.
                 front.phase = "right"
@@ -513,10 +452,8 @@ async def test_fault_drill_outage_wrong_secret_and_redirect_lose_and_park_nothin
                 code, ready = await get_json(ops + "/readyz")
                 assert ready["delivery"] == {"state": "ok"}, ready
                 consumer.assert_alive()
-            finally:
-                await front.close()
-    assert front.redirect_target_hits == 0
-    assert await dlq(backend_dsn) == []
+    assert rx.pages == []
+    assert await dead_letters(backend_dsn) == []
     outbox = await fetch_all(
         backend_dsn, "SELECT entity_type, entity_id, max(seq) FROM sync.events_outbox GROUP BY 1, 2"
     )
@@ -540,8 +477,8 @@ async def test_a_lead_lost_while_waiting_out_a_retry_after_is_noticed_at_once(
     process stops calling itself the leader within the lock check, not an hour later."""
     await insert_calls(backend_dsn, 1, tag="hour")
     async with (
-        serve_scripted_receiver(answers(503, 1, **{"Retry-After": "3600"})) as rx,
-        consuming(backend_dsn, rx.url) as runtime,
+        scripted_receiver(answers(503, 1, **{"Retry-After": "3600"})) as rx,
+        consuming(backend_dsn, rx.url, **FAST_RETRIES) as runtime,
     ):
         await wait_until(lambda: len(rx.attempts) == 1, what="the first attempt")
         await wait_until(lambda: runtime.stats.failing_since is not None, what="the streak")
@@ -603,7 +540,10 @@ async def test_an_odd_retry_after_on_a_refusal_still_parks_the_refused_event(
             return Reply(422, {"error": {"code": "NO"}}, {"Retry-After": header})
         return None
 
-    async with serve_scripted_receiver(script) as rx, consuming(backend_dsn, rx.url) as runtime:
+    async with (
+        scripted_receiver(script) as rx,
+        consuming(backend_dsn, rx.url, **FAST_RETRIES) as runtime,
+    ):
         await wait_until(lambda: caught_up(backend_dsn), what="the stream past the refusal")
     assert runtime.stats.parked_events == 1
-    assert [p.caller for p in await dlq(backend_dsn)] == ["odd-1"]
+    assert [p.caller for p in await dead_letters(backend_dsn)] == ["odd-1"]

@@ -1,4 +1,4 @@
-"""The dead-letter queue's operations (seed 004): events parked by a real consumer that met a
+"""The dead-letter queue's operations: events parked by a real consumer that met a
 scripted receiver refusing some of them, then listed, shown, retried and deleted through the admin
 API (real HTTP on loopback), the `serversync dlq` command (real subprocesses) and a real
 `serversync run` process."""
@@ -6,11 +6,10 @@ API (real HTTP on loopback), the `serversync dlq` command (real subprocesses) an
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,120 +18,36 @@ import aiohttp
 import orjson
 import psycopg
 import pytest
-from aiohttp import web
 
 from consumer.app.settings import SyncSettings
 from consumer.app.wiring import consumer_runtime, serve_ops_http
 from consumer.devtools.devdb import free_port
-from tests.conftest import (
-    CliResult,
-    cli_env,
-    fetch_all,
-    make_settings,
-    running_consumer,
-    serve_app,
-    wait_until,
-)
-from tests.helpers_processes import Processes, insert_callers
-from tests.test_cli import (
-    assert_ok,
-    assert_one_line_error,
-    run_cli,
-    run_many,
-)
+from tests.conftest import CliResult, cli_env, fetch_all, make_settings, running_consumer
+from tests.support.backend import CONSUMER, insert_callers
+from tests.support.cli import assert_ok, assert_one_line_error, run_cli, run_many
+from tests.support.dlq import parked_by_caller
+from tests.support.processes import Processes
+from tests.support.receivers import ScriptedReceiver, scripted_receiver
+from tests.support.waiting import wait_until
 
-CONSUMER = "frontend-sync"
 TOKEN = "admin-token-0123456789abcdef"  # noqa: S105 - a test token
 MAX_RETRIES = 2
 # What the scripted receiver puts in its refusals: it must never be stored unmasked.
 LEAKED = "Le4kedT0kenValue"
 # A password in FRONTEND_BASE_URL: it appears in every delivery error ("POST <url> ...").
 URL_PASSWORD = "UrlPa55w0rdQq"  # noqa: S105 - a test value
-DLQ_ROWS = (
-    "SELECT payload->>'caller_number', id, seq, status, retry_count, last_retry_at, "
-    "error_code, error_message FROM sync.dlq_messages ORDER BY seq"
-)
-
-
-# -- a scripted receiver -------------------------------------------------------------------------
-
-
-@dataclass
-class ScriptedReceiver:
-    """A receiver on loopback that decides by each entry's payload caller_number: 422 for a
-    request holding a refused one, 409 for a conflicting one, 503 for all while unavailable;
-    otherwise it accepts and records the entries."""
-
-    url: str = ""
-    refuse: set[str] = field(default_factory=set)
-    conflict: set[str] = field(default_factory=set)
-    unavailable: bool = False
-    accepted: list[dict[str, Any]] = field(default_factory=list)
-    # The raw body of every accepted request.
-    bodies: list[bytes] = field(default_factory=list)
-    answered: int = 0
-
-    @property
-    def url_with_password(self) -> str:
-        """The base URL with user:password (a consumer's FRONTEND_BASE_URL may carry them)."""
-        return self.url.replace("http://", f"http://sync:{URL_PASSWORD}@")
-
-    def accepted_callers(self) -> list[str]:
-        """caller_number of every accepted entry, in arrival order, duplicates included."""
-        return [e["payload"]["caller_number"] for e in self.accepted]
-
-    async def handle(self, request: web.Request) -> web.Response:
-        """POST /api/ingest/sync."""
-        body = await request.read()
-        # Python's json: it reads every JSON number (orjson refuses 1.8e308).
-        entries: list[dict[str, Any]] = json.loads(body)["entries"]
-        callers = {e["payload"]["caller_number"] for e in entries}
-        self.answered += 1
-        if self.unavailable:
-            return web.json_response({"error": {"code": "DOWN"}}, status=503)
-        if refused := sorted(callers & self.refuse):
-            message = f"refused {refused[0]} (answer {self.answered}) token={LEAKED}"
-            return web.json_response({"error": {"code": "NO", "message": message}}, status=422)
-        if callers & self.conflict:
-            return web.json_response({"error": {"code": "ALREADY"}}, status=409)
-        self.accepted.extend(entries)
-        self.bodies.append(body)
-        return web.json_response({"ok": True})
 
 
 @contextlib.asynccontextmanager
-async def scripted_receiver() -> AsyncIterator[ScriptedReceiver]:
-    """A ScriptedReceiver on a free loopback port."""
-    receiver = ScriptedReceiver()
-    app = web.Application()
-    app.router.add_post("/api/ingest/sync", receiver.handle)
-    async with serve_app(app, shutdown_timeout=1.0) as url:
-        receiver.url = url
+async def leaky_receiver() -> AsyncIterator[ScriptedReceiver]:
+    """A scripted receiver whose refusals (422, naming the refused caller number and the answer's
+    number) also echo a token."""
+    async with scripted_receiver() as receiver:
+        receiver.refusal_detail = f"token={LEAKED}"
         yield receiver
 
 
 # -- parking events ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Parked:
-    """A parked event as the test knows it."""
-
-    id: str
-    seq: int
-    status: str
-    retry_count: int
-    last_retry_at: datetime | None
-    error_code: str
-    error_message: str
-
-
-async def dlq_rows(dsn: str) -> dict[str, Parked]:
-    """Every row of sync.dlq_messages by its event's caller_number."""
-    return {
-        r[0]: Parked(str(r[1]), r[2], r[3], r[4], r[5], r[6], r[7])
-        for r in await fetch_all(dsn, DLQ_ROWS)
-    }
 
 
 async def park(
@@ -199,10 +114,10 @@ class Api:
 @pytest.fixture
 async def api(backend_dsn: str) -> AsyncIterator[Api]:
     """The admin API on a free loopback port, as `serversync run` serves it."""
-    async with scripted_receiver() as receiver:
+    async with leaky_receiver() as receiver:
         settings = make_settings(
             backend_dsn,
-            receiver.url_with_password,
+            receiver.with_password(URL_PASSWORD),
             SYNC_ADMIN_TOKEN=TOKEN,
             SYNC_HTTP_PORT=0,
             SYNC_DLQ_MAX_RETRIES=MAX_RETRIES,
@@ -241,7 +156,7 @@ async def test_list_paginates_newest_first_and_filters_by_status(api: Api) -> No
     goods, bads = await api.park(good=5, bad=25)
     # Only the refused events were parked; their neighbours got through.
     assert sorted(api.receiver.accepted_callers()) == goods
-    rows = await dlq_rows(api.dsn)
+    rows = await parked_by_caller(api.dsn)
     assert sorted(rows) == bads
     newest_first = sorted((r.seq for r in rows.values()), reverse=True)
 
@@ -324,7 +239,7 @@ async def test_list_paginates_newest_first_and_filters_by_status(api: Api) -> No
 
 async def test_retry_delivers_the_stored_event_and_resolves_it(api: Api) -> None:
     _, bads = await api.park(good=2, bad=3)
-    rows = await dlq_rows(api.dsn)
+    rows = await parked_by_caller(api.dsn)
     target = rows[bads[1]]
     status, before = await api.call("GET", message_path(target.id))
     assert status == 200
@@ -332,7 +247,7 @@ async def test_retry_delivers_the_stored_event_and_resolves_it(api: Api) -> None
     assert before["seq"] == target.seq
 
     api.receiver.refuse.discard(bads[1])
-    accepted_before = len(api.receiver.accepted)
+    accepted_before = len(api.receiver.accepted_entries)
     status, body = await api.call("POST", message_path(target.id, "retry"))
     assert status == 200, body
     assert body["id"] == target.id
@@ -340,7 +255,7 @@ async def test_retry_delivers_the_stored_event_and_resolves_it(api: Api) -> None
     assert "delivered" in body["message"]
 
     # The very event of the outbox reached the receiver, alone.
-    (arrived,) = api.receiver.accepted[accepted_before:]
+    (arrived,) = api.receiver.accepted_entries[accepted_before:]
     (outbox,) = await fetch_all(
         api.dsn,
         "SELECT entity_type, entity_id, op, seq, payload, created_at FROM sync.events_outbox "
@@ -351,7 +266,7 @@ async def test_retry_delivers_the_stored_event_and_resolves_it(api: Api) -> None
     assert arrived["payload"] == outbox[4]
     assert datetime.fromisoformat(arrived["createdAt"]) == outbox[5]
 
-    after = (await dlq_rows(api.dsn))[bads[1]]
+    after = (await parked_by_caller(api.dsn))[bads[1]]
     assert (after.status, after.retry_count) == ("RESOLVED", 1)
     assert after.last_retry_at is not None
     status, shown = await api.call("GET", message_path(target.id))
@@ -361,22 +276,22 @@ async def test_retry_delivers_the_stored_event_and_resolves_it(api: Api) -> None
         before["updated_at"]
     )
     # The others were left alone.
-    assert {c: r.status for c, r in (await dlq_rows(api.dsn)).items()} == {
+    assert {c: r.status for c, r in (await parked_by_caller(api.dsn)).items()} == {
         bads[0]: "PENDING",
         bads[1]: "RESOLVED",
         bads[2]: "PENDING",
     }
 
     # A RESOLVED message cannot be retried: 409, and nothing is sent.
-    answered = api.receiver.answered
+    answered = api.receiver.seen
     assert_error(
         await api.call("POST", message_path(target.id, "retry")),
         409,
         "SYS_DLQ_CONFLICT",
         "RESOLVED",
     )
-    assert api.receiver.answered == answered
-    assert (await dlq_rows(api.dsn))[bads[1]].retry_count == 1
+    assert api.receiver.seen == answered
+    assert (await parked_by_caller(api.dsn))[bads[1]].retry_count == 1
 
     # A receiver that says it already has the event (409): that is delivered too.
     api.receiver.refuse.discard(bads[2])
@@ -387,7 +302,7 @@ async def test_retry_delivers_the_stored_event_and_resolves_it(api: Api) -> None
 
 async def test_a_retry_sends_the_stored_event_exactly(api: Api) -> None:
     _, bads = await api.park(good=0, bad=1)
-    target = (await dlq_rows(api.dsn))[bads[0]]
+    target = (await parked_by_caller(api.dsn))[bads[0]]
     # Numbers no double keeps exactly or holds at all, text that needs escaping, and
     # spacing of its own: the payload is json, kept as written.
     extra = '"big": 123456789012345678901234567890, "long": 0.10000000000000000000000001, '
@@ -414,13 +329,13 @@ async def test_a_retry_sends_the_stored_event_exactly(api: Api) -> None:
 
 async def test_a_failing_retry_counts_then_the_message_is_dead(api: Api) -> None:
     _, bads = await api.park(good=0, bad=2)
-    target = (await dlq_rows(api.dsn))[bads[0]]
+    target = (await parked_by_caller(api.dsn))[bads[0]]
 
     status, body = await api.call("POST", message_path(target.id, "retry"))
     assert (status, body["status"]) == (200, "PENDING"), body
     assert "1 of 2 retries used" in body["message"]
     assert "HTTP 422" in body["message"]
-    once = (await dlq_rows(api.dsn))[bads[0]]
+    once = (await parked_by_caller(api.dsn))[bads[0]]
     assert (once.status, once.retry_count, once.error_code) == ("PENDING", 1, "HTTP_422")
     assert once.last_retry_at is not None
     # The error is the retry's own (the receiver numbers its answers), masked.
@@ -435,7 +350,7 @@ async def test_a_failing_retry_counts_then_the_message_is_dead(api: Api) -> None
 
     status, body = await api.call("POST", message_path(target.id, "retry"))
     assert (status, body["status"]) == (200, "DEAD"), body
-    dead = (await dlq_rows(api.dsn))[bads[0]]
+    dead = (await parked_by_caller(api.dsn))[bads[0]]
     assert (dead.status, dead.retry_count) == ("DEAD", MAX_RETRIES)
     assert dead.last_retry_at is not None
     assert once.last_retry_at is not None
@@ -446,16 +361,16 @@ async def test_a_failing_retry_counts_then_the_message_is_dead(api: Api) -> None
     assert_error(
         await api.call("POST", message_path(target.id, "retry")), 409, "SYS_DLQ_CONFLICT", "DEAD"
     )
-    assert (await dlq_rows(api.dsn))[bads[0]].retry_count == MAX_RETRIES
-    assert api.receiver.accepted == []
+    assert (await parked_by_caller(api.dsn))[bads[0]].retry_count == MAX_RETRIES
+    assert api.receiver.accepted_entries == []
     # The other message never moved.
-    other = (await dlq_rows(api.dsn))[bads[1]]
+    other = (await parked_by_caller(api.dsn))[bads[1]]
     assert (other.status, other.retry_count) == ("PENDING", 0)
 
 
 async def test_delete_and_every_error_code(api: Api) -> None:
     _, bads = await api.park(good=1, bad=2)
-    rows = await dlq_rows(api.dsn)
+    rows = await parked_by_caller(api.dsn)
     victim = rows[bads[0]].id
     unknown = str(uuid.uuid4())
 
@@ -484,7 +399,7 @@ async def test_delete_and_every_error_code(api: Api) -> None:
 
     status, body = await api.call("DELETE", message_path(victim))
     assert (status, body) == (200, {"success": True, "message": f"dead letter {victim} deleted"})
-    assert sorted(await dlq_rows(api.dsn)) == [bads[1]]
+    assert sorted(await parked_by_caller(api.dsn)) == [bads[1]]
     assert_error(await api.call("GET", message_path(victim)), 404, "SYS_DLQ_NOT_FOUND")
     assert_error(await api.call("DELETE", message_path(victim)), 404, "SYS_DLQ_NOT_FOUND")
     assert_error(await api.call("POST", message_path(victim, "retry")), 404, "SYS_DLQ_NOT_FOUND")
@@ -500,7 +415,7 @@ async def test_delete_and_every_error_code(api: Api) -> None:
 
 async def test_retry_all_reports_counts_pages_past_100_and_retries_each_once(api: Api) -> None:
     _, bads = await api.park(good=3, bad=130)
-    rows = await dlq_rows(api.dsn)
+    rows = await parked_by_caller(api.dsn)
     # Before: one resolved, one dead (retried to the end), both skipped by retry-all.
     api.receiver.refuse.discard(bads[0])
     assert (await api.call("POST", message_path(rows[bads[0]].id, "retry")))[1][
@@ -511,8 +426,8 @@ async def test_retry_all_reports_counts_pages_past_100_and_retries_each_once(api
     # From now on, three stay refused; the other 125 get through.
     still_refused = set(bads[2:5])
     api.receiver.refuse = set(still_refused) | {bads[1]}
-    accepted_before = len(api.receiver.accepted)
-    answered_before = api.receiver.answered
+    accepted_before = len(api.receiver.accepted_entries)
+    answered_before = api.receiver.seen
 
     status, body = await api.call("POST", f"{LIST}/retry-all")
     assert status == 200, body
@@ -523,10 +438,10 @@ async def test_retry_all_reports_counts_pages_past_100_and_retries_each_once(api
     }
     assert "retried 128: 125 succeeded, 3 failed" in body["message"]
     # Each message once, in single-event requests; a failed one was not picked up again.
-    assert api.receiver.answered - answered_before == 128
+    assert api.receiver.seen - answered_before == 128
     arrived = api.receiver.accepted_callers()[accepted_before:]
     assert sorted(arrived) == sorted(set(bads[2:]) - still_refused)
-    after = await dlq_rows(api.dsn)
+    after = await parked_by_caller(api.dsn)
     assert {c for c, r in after.items() if r.status == "RESOLVED"} == set(bads) - still_refused - {
         bads[1]
     }
@@ -537,7 +452,7 @@ async def test_retry_all_reports_counts_pages_past_100_and_retries_each_once(api
 
     status, again = await api.call("POST", f"{LIST}/retry-all")
     assert (status, again["retried"], again["succeeded"], again["failed"]) == (200, 3, 0, 3)
-    assert {(await dlq_rows(api.dsn))[c].status for c in still_refused} == {"DEAD"}
+    assert {(await parked_by_caller(api.dsn))[c].status for c in still_refused} == {"DEAD"}
     status, nothing = await api.call("POST", f"{LIST}/retry-all")
     assert (status, nothing["retried"], nothing["succeeded"], nothing["failed"]) == (200, 0, 0, 0)
     status, other = await api.call("POST", "/api/v1/dlq/no-such-consumer/retry-all")
@@ -552,7 +467,7 @@ async def test_retry_all_stops_at_a_receiver_outage_without_burning_retries(api:
     assert (body["retried"], body["succeeded"], body["failed"]) == (1, 0, 1)
     assert "stopped early" in body["message"]
     assert "HTTP 503" in body["message"]
-    rows = await dlq_rows(api.dsn)
+    rows = await parked_by_caller(api.dsn)
     assert sorted(r.retry_count for r in rows.values()) == [0, 0, 0, 1]
     assert {r.status for r in rows.values()} == {"PENDING"}
     failed = next(r for r in rows.values() if r.retry_count == 1)
@@ -567,9 +482,9 @@ async def test_retry_all_stops_at_a_receiver_outage_without_burning_retries(api:
 
 async def test_every_dlq_route_wants_the_bearer_token(api: Api) -> None:
     _, bads = await api.park(good=0, bad=1)
-    message_id = (await dlq_rows(api.dsn))[bads[0]].id
+    message_id = (await parked_by_caller(api.dsn))[bads[0]].id
     api.receiver.refuse.clear()
-    answered = api.receiver.answered
+    answered = api.receiver.seen
     routes = [
         ("GET", LIST),
         ("POST", f"{LIST}/retry-all"),
@@ -598,8 +513,8 @@ async def test_every_dlq_route_wants_the_bearer_token(api: Api) -> None:
             )
             assert TOKEN not in str(body)
     # Nothing was retried or deleted by the refused requests.
-    assert api.receiver.answered == answered
-    row = (await dlq_rows(api.dsn))[bads[0]]
+    assert api.receiver.seen == answered
+    row = (await parked_by_caller(api.dsn))[bads[0]]
     assert (row.status, row.retry_count) == ("PENDING", 0)
     # The scheme is case-insensitive, as HTTP wants; the health check needs no token.
     status, _ = await api.call("GET", LIST, authorization=f"bearer {TOKEN}")
@@ -638,7 +553,7 @@ async def test_a_consumer_process_serves_the_admin_api_only_with_a_token(
     backend_dsn: str, tmp_path: Path
 ) -> None:
     with_token, without = two_free_ports()
-    async with scripted_receiver() as receiver:
+    async with leaky_receiver() as receiver:
         receiver.refuse = {"bad-0"}
         with Processes(tmp_path) as procs:
             served = procs.consumer(
@@ -724,13 +639,13 @@ def table_rows(stdout: str) -> list[list[str]]:
 
 
 async def test_cli_dlq_list_show_retry_and_delete(backend_dsn: str) -> None:
-    async with scripted_receiver() as receiver:
+    async with leaky_receiver() as receiver:
         settings = make_settings(backend_dsn, receiver.url, SYNC_DLQ_MAX_RETRIES=MAX_RETRIES)
         _, bads = await park(backend_dsn, receiver, settings, good=2, bad=3)
-        rows = await dlq_rows(backend_dsn)
+        rows = await parked_by_caller(backend_dsn)
         env = cli_env(
             DATABASE_URL=backend_dsn,
-            FRONTEND_BASE_URL=receiver.url_with_password,
+            FRONTEND_BASE_URL=receiver.with_password(URL_PASSWORD),
             SYNC_DLQ_MAX_RETRIES=str(MAX_RETRIES),
         )
         a, b, c = (rows[x] for x in bads)
@@ -807,7 +722,7 @@ async def test_cli_dlq_list_show_retry_and_delete(backend_dsn: str) -> None:
         assert "POST http://sync:***@127.0.0.1:" in failed.stderr
         assert LEAKED not in failed.stderr
         assert URL_PASSWORD not in failed.stderr
-        stored = (await dlq_rows(backend_dsn))[bads[0]].error_message
+        stored = (await parked_by_caller(backend_dsn))[bads[0]].error_message
         assert "sync:***@" in stored
         assert URL_PASSWORD not in stored
         receiver.refuse.discard(bads[0])
@@ -815,7 +730,7 @@ async def test_cli_dlq_list_show_retry_and_delete(backend_dsn: str) -> None:
         assert_ok(delivered)
         assert delivered.stdout == f"{a.id}: delivered; RESOLVED\n"
         assert receiver.accepted_callers()[-1] == bads[0]
-        after = (await dlq_rows(backend_dsn))[bads[0]]
+        after = (await parked_by_caller(backend_dsn))[bads[0]]
         assert (after.status, after.retry_count) == ("RESOLVED", 2)
 
         again, deleted, filtered = await run_many(
@@ -827,7 +742,7 @@ async def test_cli_dlq_list_show_retry_and_delete(backend_dsn: str) -> None:
         assert_one_line_error(again, 1, "RESOLVED", "only PENDING or RETRYING")
         assert_ok(deleted)
         assert deleted.stdout == f"deleted dead letter {c.id}\n"
-        assert sorted(await dlq_rows(backend_dsn)) == bads[:2]
+        assert sorted(await parked_by_caller(backend_dsn)) == bads[:2]
         assert_ok(filtered)
         assert [r[0] for r in table_rows(filtered.stdout)] == [a.id]
         assert "1 dead letter(s) with status RESOLVED" in filtered.stdout
@@ -836,7 +751,7 @@ async def test_cli_dlq_list_show_retry_and_delete(backend_dsn: str) -> None:
 
 
 async def test_cli_dlq_retry_all_reports_counts_and_exit_code(backend_dsn: str) -> None:
-    async with scripted_receiver() as receiver:
+    async with leaky_receiver() as receiver:
         settings = make_settings(backend_dsn, receiver.url, SYNC_DLQ_MAX_RETRIES=MAX_RETRIES)
         _, bads = await park(backend_dsn, receiver, settings, good=1, bad=5)
         env = cli_env(DATABASE_URL=backend_dsn, FRONTEND_BASE_URL=receiver.url)
@@ -854,18 +769,18 @@ async def test_cli_dlq_retry_all_reports_counts_and_exit_code(backend_dsn: str) 
         nothing = await run_cli("dlq", "retry-all", CONSUMER, env=env)
         assert_ok(nothing)
         assert nothing.stdout == f"{CONSUMER}: retried 0: 0 succeeded, 0 failed\n"
-        statuses = {r.status for r in (await dlq_rows(backend_dsn)).values()}
+        statuses = {r.status for r in (await parked_by_caller(backend_dsn)).values()}
         assert statuses == {"RESOLVED"}
 
 
 async def test_cli_dlq_retry_of_an_unreachable_receiver_is_one_line(backend_dsn: str) -> None:
-    async with scripted_receiver() as receiver:
+    async with leaky_receiver() as receiver:
         settings = make_settings(backend_dsn, receiver.url, SYNC_DLQ_MAX_RETRIES=MAX_RETRIES)
         _, bads = await park(backend_dsn, receiver, settings, good=0, bad=1)
-    message_id = (await dlq_rows(backend_dsn))[bads[0]].id
+    message_id = (await parked_by_caller(backend_dsn))[bads[0]].id
     dead_url = f"http://127.0.0.1:{free_port()}"
     env = cli_env(DATABASE_URL=backend_dsn, FRONTEND_BASE_URL=dead_url)
     result = await run_cli("dlq", "retry", message_id, env=env)
     assert_one_line_error(result, 1, "delivery failed", f"POST {dead_url}", "now PENDING")
-    row = (await dlq_rows(backend_dsn))[bads[0]]
+    row = (await parked_by_caller(backend_dsn))[bads[0]]
     assert (row.status, row.retry_count, row.error_code) == ("PENDING", 1, "NETWORK_ERROR")

@@ -1,8 +1,8 @@
-"""The failure policy, over real PostgreSQL and real HTTP on loopback (seed 001 and its acceptance
-tests): what is retried and how (exponential backoff up to a cap, Retry-After), what is parked
-and how precisely (bisection finds the refused entries), when the consumer gives up
-(SYNC_MAX_ATTEMPTS), that parking commits together with the offset and only once, request
-signatures, and that secrets reach neither the logs nor the dead-letter queue.
+"""The failure policy, over real PostgreSQL and real HTTP on loopback: what is retried and how
+(exponential backoff up to a cap, Retry-After), what is parked and how precisely (bisection finds
+the refused entries), when the consumer gives up (SYNC_MAX_ATTEMPTS), that parking commits
+together with the offset and only once, request signatures, and that secrets reach neither the
+logs nor the dead-letter queue.
 
 Delays are short (SYNC_RETRY_INITIAL_SEC=0.05, SYNC_RETRY_MAX_SEC=0.4); every wait is a
 wait_until with a deadline."""
@@ -10,7 +10,6 @@ wait_until with a deadline."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import decimal
 import email.utils
 import itertools
@@ -20,7 +19,6 @@ import math
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -32,69 +30,50 @@ from consumer.app.wiring import open_pool
 from consumer.core.events import Position
 from consumer.devtools.devdb import free_port
 from consumer.observability.telemetry import JsonFormatter, TextFormatter
-from consumer.runtime.worker import ConsumerRuntime
 from consumer.sinks.frontend_sync import FrontendSyncSink
 from consumer.store import admin
 from consumer.store.outbox import OutboxStore
 from consumer.wire import signing
-from tests.conftest import (
-    cli_env,
-    fetch_all,
-    fetch_value,
-    finish,
-    make_settings,
-    running_consumer,
-    start_cli,
-    wait_until,
-)
-from tests.helpers_failures import (
+from tests.conftest import cli_env, fetch_all, fetch_value, finish, start_cli
+from tests.support.backend import (
     CONSUMER,
-    INGEST_PATH,
-    SECRET_LINES,
-    URL_PASSWORD,
+    RETRY_INITIAL_SEC,
+    RETRY_MAX_SEC,
+    committed_position,
+    consuming,
+    execute,
+    insert_calls,
+    last_error,
+    seqs_by_caller,
+)
+from tests.support.dlq import dead_letters
+from tests.support.leaks import SECRET_LINES, URL_PASSWORD, leaks
+from tests.support.processes import reaped
+from tests.support.receivers import (
     Attempt,
     Reply,
-    committed_position,
-    dlq,
-    leaks,
-    reaped,
-    seqs_by_caller,
+    post_signed,
+    scripted_receiver,
     serve_reference_receiver,
-    serve_scripted_receiver,
+    url_with_password,
+    wire_body,
 )
-from tests.helpers_processes import insert_calls, outbox_end
+from tests.support.waiting import wait_caught_up, wait_until
 
-RETRY_INITIAL = 0.05
-RETRY_MAX = 0.4
+# tests/test_secret_rotation.py imports these from here until it takes them from tests.support.
+__all__ = ["consuming", "post_signed", "wait_caught_up", "wire_body"]
+
 SECRET = "s3cret-shared-by-both-sides-0123456789"  # noqa: S105 - a test secret
 WRONG_SECRET = "not-the-receivers-secret-0123456789"  # noqa: S105 - a test secret
 
 
-@contextlib.asynccontextmanager
-async def consuming(dsn: str, url: str, **overrides: Any) -> AsyncIterator[ConsumerRuntime]:
-    """An in-process frontend-sync consumer with short retry delays."""
-    fast = {"SYNC_RETRY_INITIAL_SEC": RETRY_INITIAL, "SYNC_RETRY_MAX_SEC": RETRY_MAX}
-    settings = make_settings(dsn, url, **{**fast, **overrides})
-    async with running_consumer(settings) as runtime:
-        yield runtime
-
-
-async def caught_up(dsn: str) -> bool:
-    """Whether the committed offset is at the last event of the outbox."""
-    end = await outbox_end(dsn)
-    return end is not None and await committed_position(dsn) == end
-
-
-async def wait_caught_up(dsn: str, timeout: float = 10.0) -> None:
-    await wait_until(lambda: caught_up(dsn), timeout=timeout, what="the offset to pass every event")
-
-
 def with_credentials(url: str) -> str:
     """The URL with a user and password in it (FRONTEND_BASE_URL may carry them: basic auth)."""
-    return url.replace("http://", f"http://sync:{URL_PASSWORD}@", 1)
+    return url_with_password(url, URL_PASSWORD)
 
 
 def refuse(status: int, message: str = "refused", **headers: str) -> Reply:
+    """A refusal with status `status`, its message and headers."""
     return Reply(status, {"error": {"code": f"SCRIPTED_{status}", "message": message}}, headers)
 
 
@@ -104,7 +83,7 @@ def formatted_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [formatter.format(record) for record in caplog.records]
 
 
-# -- seed 001 acceptance: idempotency ---------------------------------------------------------
+# -- idempotency: a replayed batch changes nothing -------------------------------------------------
 
 
 ENTITIES = (
@@ -140,7 +119,7 @@ async def test_the_same_events_delivered_ten_times_change_the_receiver_once(
     assert await fetch_all(receiver_dsn, ENTITIES) == first
 
 
-# -- seed 001 acceptance: 5xx with backoff, then success ----------------------------------------
+# -- 5xx with backoff, then success ----------------------------------------------------------------
 
 
 async def test_5xx_for_a_while_backs_off_exponentially_up_to_the_cap_then_delivers(
@@ -155,7 +134,7 @@ async def test_5xx_for_a_while_backs_off_exponentially_up_to_the_cap_then_delive
         return refuse(503, "busy") if attempt.index < failures else None
 
     async with (
-        serve_scripted_receiver(script) as rx,
+        scripted_receiver(script) as rx,
         consuming(backend_dsn, rx.url, SYNC_MAX_ATTEMPTS=8) as runtime,
     ):
         await wait_caught_up(backend_dsn, timeout=15)
@@ -165,10 +144,10 @@ async def test_5xx_for_a_while_backs_off_exponentially_up_to_the_cap_then_delive
     seqs = list((await seqs_by_caller(backend_dsn)).values())
     assert all(a.seqs == seqs for a in rx.attempts)
     assert rx.accepted == seqs
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
 
     gaps = rx.gaps()
-    bases = [min(RETRY_MAX, RETRY_INITIAL * 2**i) for i in range(failures)]
+    bases = [min(RETRY_MAX_SEC, RETRY_INITIAL_SEC * 2**i) for i in range(failures)]
     assert bases == [0.05, 0.1, 0.2, 0.4, 0.4, 0.4, 0.4]
     slack = 0.15  # one failed request, its record_error and the next request, on a busy machine
     for gap, base in zip(gaps, bases, strict=True):
@@ -177,10 +156,10 @@ async def test_5xx_for_a_while_backs_off_exponentially_up_to_the_cap_then_delive
     for before, after in itertools.pairwise(gaps[:4]):
         assert after >= 1.3 * before, gaps
     # The cap holds: no gap beyond 0.4 s + 10 % jitter.
-    assert max(gaps) <= RETRY_MAX * 1.1 + slack, gaps
+    assert max(gaps) <= RETRY_MAX_SEC * 1.1 + slack, gaps
 
 
-# -- seed 001 acceptance: a refused event is parked at once --------------------------------------
+# -- a refused event is parked at once -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("status", [400, 410, 413, 415, 418, 422])
@@ -191,7 +170,7 @@ async def test_a_refused_event_is_parked_at_once_with_a_masked_message(
     await insert_calls(backend_dsn, 1, tag="refused")
     echo = f"no: {SECRET_LINES['bearer']} {SECRET_LINES['github']}"
     async with (
-        serve_scripted_receiver(lambda _: refuse(status, echo)) as rx,
+        scripted_receiver(lambda _: refuse(status, echo)) as rx,
         consuming(backend_dsn, with_credentials(rx.url)) as runtime,
     ):
         await wait_caught_up(backend_dsn)
@@ -199,7 +178,7 @@ async def test_a_refused_event_is_parked_at_once_with_a_masked_message(
     assert runtime.stats.retries == 0
     assert rx.statuses == [status]  # one attempt: no retry of a refusal
     (seq,) = (await seqs_by_caller(backend_dsn)).values()
-    (parked,) = await dlq(backend_dsn)
+    (parked,) = await dead_letters(backend_dsn)
     assert (parked.seq, parked.caller, parked.error_code) == (seq, "refused-1", f"HTTP_{status}")
     assert (parked.status, parked.retry_count) == ("PENDING", 0)
     assert f"answered HTTP {status}" in parked.error_message
@@ -211,7 +190,7 @@ async def test_a_refused_event_is_parked_at_once_with_a_masked_message(
     assert [line for line in logs if leaks(line)] == []
 
 
-# -- seed 001 acceptance: 409 "already processed" counts as delivered ----------------------------
+# -- 409 "already processed" counts as delivered ---------------------------------------------------
 
 
 async def test_409_already_processed_counts_as_delivered(backend_dsn: str) -> None:
@@ -223,7 +202,7 @@ async def test_409_already_processed_counts_as_delivered(backend_dsn: str) -> No
         return refuse(503, "lost answer") if attempt.index == 0 else refuse(409, "already done")
 
     async with (
-        serve_scripted_receiver(script) as rx,
+        scripted_receiver(script) as rx,
         consuming(backend_dsn, rx.url) as runtime,
     ):
         await wait_caught_up(backend_dsn)
@@ -232,10 +211,10 @@ async def test_409_already_processed_counts_as_delivered(backend_dsn: str) -> No
     assert rx.statuses == [503, 409]
     keys = {a.headers["Idempotency-Key"] for a in rx.attempts}
     assert len(keys) == 1, keys
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
 
 
-# -- seed 001 acceptance: Retry-After ----------------------------------------------------------
+# -- Retry-After -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -259,7 +238,7 @@ async def test_retry_after_is_waited_for(backend_dsn: str, status: int, form: st
             status, "slow down", **{"Retry-After": email.utils.formatdate(target, usegmt=True)}
         )
 
-    async with serve_scripted_receiver(script) as rx, consuming(backend_dsn, rx.url):
+    async with scripted_receiver(script) as rx, consuming(backend_dsn, rx.url):
         await wait_caught_up(backend_dsn)
     assert rx.statuses == [status, 200]
     first, second = rx.attempts
@@ -269,11 +248,11 @@ async def test_retry_after_is_waited_for(backend_dsn: str, status: int, form: st
     else:
         assert second.wall >= not_before["wall"] - tolerance, (first.wall, second.wall)
     # ... and not much later either: the hint, not the hint plus the backoff cap or more.
-    assert second.arrived - first.arrived < 2.0 + RETRY_MAX, rx.gaps()
-    assert await dlq(backend_dsn) == []
+    assert second.arrived - first.arrived < 2.0 + RETRY_MAX_SEC, rx.gaps()
+    assert await dead_letters(backend_dsn) == []
 
 
-# -- poison entries: bisection parks only the refused ones --------------------------------------
+# -- poison entries: bisection parks only the refused ones -----------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -292,14 +271,14 @@ async def test_poison_entries_in_a_batch_of_100_are_parked_alone(
         return None
 
     async with (
-        serve_scripted_receiver(script) as rx,
+        scripted_receiver(script) as rx,
         consuming(backend_dsn, rx.url) as runtime,
     ):
         await wait_caught_up(backend_dsn)
     assert runtime.stats.parked_events == len(poison)
     assert runtime.stats.delivered_events == 100 - len(poison)
     assert len(rx.attempts[0].seqs) == 100  # one batch of 100
-    parked = await dlq(backend_dsn)
+    parked = await dead_letters(backend_dsn)
     assert [p.caller for p in parked] == [f"c-{i}" for i in poison]
     assert [p.seq for p in parked] == [by_caller[f"c-{i}"] for i in poison]
     assert {p.error_code for p in parked} == {"HTTP_422"}
@@ -310,21 +289,13 @@ async def test_poison_entries_in_a_batch_of_100_are_parked_alone(
     assert len(rx.attempts) <= 1 + 2 * 7 * len(poison), len(rx.attempts)
 
 
-# -- the receiver down: retried, parked only when the attempts run out --------------------------
+# -- the receiver down: retried, parked only when the attempts run out -----------------------------
 
 
 BACKLOG = (
     "SELECT count(*) FROM sync.events_outbox o JOIN sync.consumer_offsets c "
     "ON c.consumer = %s WHERE (o.txid, o.seq) > (c.last_txid, c.last_seq)"
 )
-
-
-async def last_error(dsn: str) -> str | None:
-    """The consumer's last recorded delivery error (cleared by the next commit)."""
-    error: str | None = await fetch_value(
-        dsn, "SELECT last_error FROM sync.consumer_offsets WHERE consumer = %s", (CONSUMER,)
-    )
-    return error
 
 
 async def test_receiver_down_the_backlog_grows_and_max_attempts_0_never_gives_up(
@@ -349,15 +320,15 @@ async def test_receiver_down_the_backlog_grows_and_max_attempts_0_never_gives_up
         )
         assert await fetch_value(backend_dsn, BACKLOG, (CONSUMER,)) == 12
         assert await committed_position(backend_dsn) == (0, 0)
-        assert await dlq(backend_dsn) == []
+        assert await dead_letters(backend_dsn) == []
         assert runtime.stats.parked_events == 0
         error = await last_error(backend_dsn)
         assert error is not None
         assert f"sync:***@127.0.0.1:{port}" in error
         assert leaks(error) == [], error
-        async with serve_scripted_receiver(port=port) as rx:
+        async with scripted_receiver(port=port) as rx:
             await wait_caught_up(backend_dsn)
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
     assert sorted(rx.accepted) == sorted((await seqs_by_caller(backend_dsn)).values())
     assert len(rx.accepted) == 12  # no duplicates
     assert set(rx.statuses) == {200}
@@ -375,7 +346,7 @@ async def test_max_attempts_3_parks_the_batch_after_exactly_3_attempts_and_moves
         return refuse(503, echo) if state["down"] else None
 
     async with (
-        serve_scripted_receiver(script) as rx,
+        scripted_receiver(script) as rx,
         # Longer delays here: last_error is only set between attempts (the commit that parks
         # the batch clears it), and the test reads it there.
         consuming(
@@ -409,13 +380,13 @@ async def test_max_attempts_3_parks_the_batch_after_exactly_3_attempts_and_moves
     assert rx.statuses == [503, 503, 503, 200]
     assert [a.seqs for a in rx.attempts] == [lost, lost, lost, later]
     assert rx.accepted == later
-    parked = await dlq(backend_dsn)
+    parked = await dead_letters(backend_dsn)
     assert [p.seq for p in parked] == lost
     assert {p.error_code for p in parked} == {"HTTP_503"}
     assert all(leaks(p.error_message) == [] for p in parked), parked[0].error_message
 
 
-# -- parking commits with the offset, and only once ---------------------------------------------
+# -- parking commits with the offset, and only once ------------------------------------------------
 
 
 FAIL_PARKING = """
@@ -431,12 +402,6 @@ FOR EACH ROW EXECUTE FUNCTION test_fail_parking();
 PARKING_FAILURES = (
     "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM test_parking_failures"
 )
-
-
-async def execute(dsn: str, statements: str) -> None:
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    async with conn:
-        await conn.execute(statements.encode())
 
 
 async def reset_to_earliest(dsn: str) -> None:
@@ -459,7 +424,7 @@ async def test_parking_commits_with_the_offset_and_a_replay_parks_only_once(
     def script(attempt: Attempt) -> Reply | None:
         return refuse(422, "p-4 refused") if poison in attempt.seqs else None
 
-    async with serve_scripted_receiver(script) as rx:
+    async with scripted_receiver(script) as rx:
         # 1. The parking insert fails (a database error, retried): neither the DLQ row nor the
         #    offset may be written. The consumer then stops before the commit succeeds (as far
         #    as the database is concerned, a crash between delivery and commit).
@@ -474,10 +439,10 @@ async def test_parking_commits_with_the_offset_and_a_replay_parks_only_once(
                 what="the commit to be retried",
             )
             assert await committed_position(backend_dsn) == (0, 0)
-            assert await dlq(backend_dsn) == []
+            assert await dead_letters(backend_dsn) == []
         assert runtime.stats.parked_events == 0
         assert await committed_position(backend_dsn) == (0, 0)
-        assert await dlq(backend_dsn) == []
+        assert await dead_letters(backend_dsn) == []
         assert sorted(rx.accepted) == good
 
         # 2. The next consumer delivers the batch again and parks the poison entry.
@@ -485,7 +450,7 @@ async def test_parking_commits_with_the_offset_and_a_replay_parks_only_once(
         async with consuming(backend_dsn, rx.url) as runtime:
             await wait_caught_up(backend_dsn)
         assert runtime.stats.parked_events == 1
-        first = await dlq(backend_dsn)
+        first = await dead_letters(backend_dsn)
         assert [(p.seq, p.error_code) for p in first] == [(poison, "HTTP_422")]
 
         # 3. A replay from the earliest offset parks it again: the DLQ keeps the first one.
@@ -493,32 +458,12 @@ async def test_parking_commits_with_the_offset_and_a_replay_parks_only_once(
         async with consuming(backend_dsn, rx.url) as runtime:
             await wait_caught_up(backend_dsn)
         assert runtime.stats.parked_events == 1
-        assert await dlq(backend_dsn) == first
+        assert await dead_letters(backend_dsn) == first
     assert Counter(rx.accepted) == Counter({seq: 3 for seq in good})
     assert poison not in rx.accepted
 
 
-# -- request signatures -----------------------------------------------------------------------
-
-
-def wire_body(entity_id: str, seq: int = 1) -> bytes:
-    entry = {
-        "entityType": "call_log",
-        "entityId": entity_id,
-        "op": "upsert",
-        "seq": seq,
-        "payload": {"id": entity_id},
-    }
-    return orjson.dumps({"entries": [entry]})
-
-
-async def post_signed(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]
-) -> tuple[int, str, dict[str, Any]]:
-    async with session.post(
-        url + INGEST_PATH, data=body, headers={"Content-Type": "application/json", **headers}
-    ) as response:
-        return response.status, response.content_type, orjson.loads(await response.read())
+# -- request signatures ----------------------------------------------------------------------------
 
 
 async def test_a_correctly_signed_request_is_applied(receiver_dsn: str) -> None:
@@ -616,7 +561,7 @@ async def test_a_consumer_with_the_shared_secret_delivers_end_to_end(
     assert runtime.stats.failed_deliveries == 0
     assert sum(store.applied) == 20
     assert await fetch_value(receiver_dsn, "SELECT count(*) FROM ingest.entities") == 20
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
 
 
 async def test_a_wrong_secret_holds_the_offset_parks_nothing_and_delivers_once_fixed(
@@ -638,7 +583,7 @@ async def test_a_wrong_secret_holds_the_offset_parks_nothing_and_delivers_once_f
         assert runtime.stats.failing_reason == "wrong_destination"
         assert runtime.stats.parked_events == 0
         assert store.applied == []
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
     # The receiver is given the consumer's secret (a rotation finished on its side).
     async with (
         serve_reference_receiver(receiver_dsn, shared_secret=WRONG_SECRET) as (url, store),
@@ -647,10 +592,10 @@ async def test_a_wrong_secret_holds_the_offset_parks_nothing_and_delivers_once_f
         await wait_caught_up(backend_dsn)
     assert runtime.stats.failing_since is None
     assert sum(store.applied) == events
-    assert await dlq(backend_dsn) == []
+    assert await dead_letters(backend_dsn) == []
 
 
-# -- `serversync ingest-server` and its secret ---------------------------------------------------
+# -- `serversync ingest-server` and its secret -----------------------------------------------------
 
 
 async def test_ingest_server_refuses_to_start_without_a_shared_secret(receiver_dsn: str) -> None:
@@ -716,7 +661,7 @@ async def test_ingest_server_starts_serves_and_stops_on_sigterm(
     assert [r[0] for r in rows] == (["cli-unsigned"] if mode == "insecure" else ["cli-signed"])
 
 
-# -- secrets never reach the logs or the DLQ -----------------------------------------------------
+# -- secrets never reach the logs or the DLQ -------------------------------------------------------
 
 
 def _record(message: str, *args: object, exc: BaseException | None = None) -> logging.LogRecord:
@@ -800,13 +745,13 @@ async def test_a_receiver_answer_echoing_secrets_is_masked_in_the_dlq_and_the_lo
             return Reply(422, _echo(kind, cut))
         return refuse(422, "a batch")
 
-    async with serve_scripted_receiver(script) as rx, consuming(backend_dsn, rx.url):
+    async with scripted_receiver(script) as rx, consuming(backend_dsn, rx.url):
         await wait_caught_up(backend_dsn)
     assert rx.accepted == []
-    parked = await dlq(backend_dsn)
+    parked = await dead_letters(backend_dsn)
     assert len(parked) == len(cases)
     for p in parked:
-        kind, cut = cases[int(p.caller.removeprefix("s-")) - 1]
+        kind, cut = cases[int(str(p.caller).removeprefix("s-")) - 1]
         assert p.error_code == "HTTP_422"
         assert leaks(p.error_message) == [], (kind, cut, p.error_message)
     logs = formatted_logs(caplog)
@@ -814,7 +759,7 @@ async def test_a_receiver_answer_echoing_secrets_is_masked_in_the_dlq_and_the_lo
     assert [line for line in logs if leaks(line)] == []
 
 
-# -- what bisection sends is what the outbox holds ------------------------------------------------
+# -- what bisection sends is what the outbox holds -------------------------------------------------
 
 
 def exact(text: str | bytes) -> Any:
@@ -843,7 +788,7 @@ async def test_bisected_requests_and_parked_events_keep_payloads_exact(backend_d
     def script(attempt: Attempt) -> Reply | None:
         return refuse(422, "n-2 refused") if "n-2" in attempt.callers else None
 
-    async with serve_scripted_receiver(script) as rx, consuming(backend_dsn, rx.url):
+    async with scripted_receiver(script) as rx, consuming(backend_dsn, rx.url):
         await wait_caught_up(backend_dsn)
     assert len(rx.attempts) > 1  # bisected
     delivered = {}

@@ -1,7 +1,7 @@
-"""Least privilege (sql/backend/0012): the relay's generated functions run as serversync_relay,
-so a role that writes a tracked table needs only that table's privileges; it can neither write
-the outbox nor make the relay write events of another table or entity type; and the grants
-docs/security.md gives a producer, a consumer and an operator are enough to run each of them.
+"""Least privilege (sql/backend/functions/track.sql): the relay's generated functions run as
+serversync_relay, so a role that writes a tracked table needs only that table's privileges; it can
+neither write the outbox nor make the relay write events of another table or entity type; and the
+grants docs/security.md gives a producer, a consumer and an operator are enough to run each of them.
 
 Roles belong to the cluster, not to a test's database: every role made here has a name of its
 own and is dropped when its test ends."""
@@ -30,11 +30,11 @@ from tests.conftest import (
     make_settings,
     running_consumer,
     start_cli,
-    wait_until,
     waiting_for_notify,
 )
-from tests.helpers_operations import outcome_receiver
-from tests.helpers_processes import insert_callers
+from tests.support.backend import execute, insert_callers
+from tests.support.receivers import scripted_receiver
+from tests.support.waiting import wait_delivered_events, wait_until
 
 SECURITY_DOC = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 RELAY_ROLE = "serversync_relay"
@@ -115,14 +115,6 @@ async def connect_as(dsn: str, role: str) -> psycopg.AsyncConnection[Any]:
     return await psycopg.AsyncConnection.connect(as_role(dsn, role), autocommit=True)
 
 
-async def execute(dsn: str, *statements: str | sql.Composed) -> None:
-    """Statements in order, each its own transaction, as the DSN's user."""
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    async with conn:
-        for statement in statements:
-            await conn.execute(statement)
-
-
 def grant(template: str, *roles: str) -> sql.Composed:
     """A statement naming roles: `template` holds one {} per role."""
     return sql.SQL(template).format(*(sql.Identifier(role) for role in roles))
@@ -190,8 +182,9 @@ async def test_a_producer_with_only_its_tables_privileges_has_every_change_relay
 async def test_a_producer_cannot_write_the_outbox_or_make_the_relay_write_for_another_table(
     backend_dsn: str, roles: Roles
 ) -> None:
-    """The worst a producer may still hold after 0012: USAGE on the schema sync (granted
-    before, when producers needed it) and a schema of its own to create tables in."""
+    """The worst a producer may still hold: USAGE on the schema sync (granted by a setup
+    older than the relay's own role, when producers needed it) and a schema of its own to create
+    tables in."""
     writer = await writer_of(backend_dsn, roles, "call_logs")
     await execute(
         backend_dsn,
@@ -215,8 +208,6 @@ async def test_a_producer_cannot_write_the_outbox_or_make_the_relay_write_for_an
             f"SELECT {relay}()",
             f"CREATE TRIGGER forge AFTER INSERT ON own.mine REFERENCING NEW TABLE AS"
             f" sync_changed_rows FOR EACH STATEMENT EXECUTE FUNCTION {relay}()",
-            "CREATE TRIGGER forge AFTER INSERT ON own.mine FOR EACH ROW"
-            " EXECUTE FUNCTION sync.relay('call_log', 'id')",  # 0001's relay, unused since 0005
             # Tracking a table of its own as call logs, or the call logs as something else.
             "SELECT sync.track('own.mine', 'call_log')",
             "SELECT sync.track('call_logs', 'invoice')",
@@ -264,73 +255,53 @@ async def test_only_a_tables_owner_may_track_it(backend_dsn: str, roles: Roles) 
     )
 
 
-async def test_upgrading_takes_outbox_writes_away_from_the_roles_granted_them_before(
-    empty_dsn: str, roles: Roles, monkeypatch: pytest.MonkeyPatch
+async def test_migrating_takes_back_outbox_writes_that_default_privileges_granted(
+    empty_dsn: str, roles: Roles
 ) -> None:
-    """Before 0012 producers were told to hold INSERT on the outbox (and USAGE on the schema
-    sync and its sequences): the upgrade revokes every right to write it, or to attach a
-    trigger to it, from every role but the relay's; DELETE, which `serversync cleanup` needs
-    and which makes up no event, stays (with a NOTICE)."""
-    everything = migrations.available
-    monkeypatch.setattr(
-        migrations,
-        "available",
-        lambda component: [
-            m for m in everything(component) if component != "backend" or m.version < "0012"
-        ],
+    """Default privileges (ALTER DEFAULT PRIVILEGES, a common way to grant an application every
+    new table) would give a producer the right to write the outbox, attach a trigger to it or
+    take its positions as soon as the migration creates it: the migration takes every such
+    right back from every role but the relay's; DELETE, which `serversync cleanup` needs and
+    which makes up no event, stays."""
+    writer = await roles.create("writer", empty_dsn)
+    cleaner = await roles.create("cleaner", empty_dsn)
+    await execute(
+        empty_dsn,
+        grant("ALTER DEFAULT PRIVILEGES GRANT USAGE ON SCHEMAS TO {}, {}", writer, cleaner),
+        grant(
+            "ALTER DEFAULT PRIVILEGES"
+            " GRANT SELECT, INSERT, UPDATE, DELETE, TRIGGER ON TABLES TO {}",
+            writer,
+        ),
+        grant("ALTER DEFAULT PRIVILEGES GRANT USAGE ON SEQUENCES TO {}", writer),
+        grant("ALTER DEFAULT PRIVILEGES GRANT SELECT, DELETE ON TABLES TO {}", cleaner),
     )
     conn = await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True)
     async with conn:
         await migrations.migrate(conn, ["backend"])
         await migrations.apply_examples(conn)
-    writer = await writer_of(empty_dsn, roles, "call_logs")
-    columns = await roles.create("columns", empty_dsn)
-    cleaner = await roles.create("cleaner", empty_dsn)
-    await execute(
-        empty_dsn,
-        grant("GRANT USAGE ON SCHEMA sync TO {}, {}, {}", writer, columns, cleaner),
-        grant("GRANT INSERT, TRIGGER ON sync.events_outbox TO {}", writer),
-        grant("GRANT USAGE ON SEQUENCE sync.events_outbox_seq_seq TO {}", writer),
-        grant("GRANT USAGE ON SEQUENCE sync.waiting_consumers TO {}", writer),
-        grant(
-            "GRANT INSERT (op, entity_type, entity_id, payload) ON sync.events_outbox TO {}",
-            columns,
-        ),
-        grant("GRANT SELECT, DELETE ON sync.events_outbox TO {}", cleaner),
-    )
     await execute(
         as_role(empty_dsn, writer),
         "INSERT INTO call_logs (caller_number, callee_number) VALUES ('before', 'x')",
     )
-
-    monkeypatch.undo()
-    notices: list[str] = []
-    conn = await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True)
-    async with conn:
-        conn.add_notice_handler(lambda notice: notices.append(notice.message_primary or ""))
-        applied = await migrations.migrate(conn, ["backend"])
-    assert [m.version for m in applied] == ["0012"]
-    assert any(cleaner in notice and "keeps DELETE" in notice for notice in notices), notices
 
     privileges = (
         "SELECT has_table_privilege(%(writer)s, 'sync.events_outbox', 'INSERT'),"
         " has_table_privilege(%(writer)s, 'sync.events_outbox', 'TRIGGER'),"
         " has_sequence_privilege(%(writer)s, 'sync.events_outbox_seq_seq', 'USAGE'),"
         " has_sequence_privilege(%(writer)s, 'sync.waiting_consumers', 'USAGE'),"
-        " has_any_column_privilege(%(columns)s, 'sync.events_outbox', 'INSERT'),"
         " has_table_privilege(%(cleaner)s, 'sync.events_outbox', 'DELETE')"
     )
-    assert await fetch_all(
-        empty_dsn, privileges, {"writer": writer, "columns": columns, "cleaner": cleaner}
-    ) == [(False, False, False, False, False, True)]
-    for role in (writer, columns):
-        conn = await connect_as(empty_dsn, role)
-        async with conn:
-            with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                await conn.execute(
-                    "INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)"
-                    " VALUES ('delete', 'call_log', 'someone-else', '{}')"
-                )
+    assert await fetch_all(empty_dsn, privileges, {"writer": writer, "cleaner": cleaner}) == [
+        (False, False, False, False, True)
+    ]
+    conn = await connect_as(empty_dsn, writer)
+    async with conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            await conn.execute(
+                "INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)"
+                " VALUES ('delete', 'call_log', 'someone-else', '{}')"
+            )
     await execute(
         as_role(empty_dsn, writer),
         "INSERT INTO call_logs (caller_number, callee_number) VALUES ('after', 'x')",
@@ -448,8 +419,8 @@ async def test_a_producers_search_path_cannot_redirect_the_relay(
 async def test_a_waiting_consumer_is_woken_by_a_producer_without_sync_privileges(
     backend_dsn: str, receiver_url: str, roles: Roles
 ) -> None:
-    """The wake-up check (sql/backend/0008) reads sync.waiting_consumers as the relay's role:
-    the producer's commit still sends the NOTIFY an idle consumer waits for."""
+    """The wake-up check (sql/backend/schema.sql, The wake-up) reads sync.waiting_consumers as the
+    relay's role: the producer's commit still sends the NOTIFY an idle consumer waits for."""
     writer = await writer_of(backend_dsn, roles, "call_logs")
     settings = make_settings(backend_dsn, receiver_url, SYNC_POLL_INTERVAL_SEC=60)
     async with running_consumer(settings) as runtime:
@@ -458,10 +429,8 @@ async def test_a_waiting_consumer_is_woken_by_a_producer_without_sync_privileges
             as_role(backend_dsn, writer),
             "INSERT INTO call_logs (caller_number, callee_number) VALUES ('woken', 'x')",
         )
-        await wait_until(
-            lambda: runtime.stats.delivered_events == 1,
-            timeout=5,
-            what="the event, well before the 60 s poll timer",
+        await wait_delivered_events(
+            runtime, 1, timeout=5, what="the event, well before the 60 s poll timer"
         )
         assert runtime.stats.poll_wakeups == 0
 
@@ -586,7 +555,7 @@ async def test_the_documented_grants_run_a_producer_a_consumer_and_an_operator(
     await grant_as_documented(backend_dsn, "serversync_consumer", consumer)
     await grant_as_documented(backend_dsn, "serversync_operator", operator)
 
-    async with outcome_receiver() as receiver:
+    async with scripted_receiver() as receiver:
         receiver.refuse = {"bad-1"}
         settings = make_settings(
             as_role(backend_dsn, consumer), receiver.url, SYNC_POLL_INTERVAL_SEC=60
@@ -605,12 +574,12 @@ async def test_the_documented_grants_run_a_producer_a_consumer_and_an_operator(
             assert runtime.stats.poll_wakeups == 0
         receiver.refuse = set()
 
-        async def no_sessions() -> bool:
+        async def no_connections() -> bool:
             conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
             async with conn:
                 return not await retention.consumer_sessions(conn, "frontend-sync")
 
-        await wait_until(no_sessions, what="the consumer's connections to close")
+        await wait_until(no_connections, what="the consumer's connections to close")
 
         async def run(*args: str) -> CliResult:
             return await cli_as(backend_dsn, operator, *args, frontend=receiver.url)
@@ -627,7 +596,7 @@ async def test_the_documented_grants_run_a_producer_a_consumer_and_an_operator(
         [message] = page["messages"]
         await run("dlq", "show", message["id"])
         await run("dlq", "retry", message["id"])
-        assert receiver.accepted[-1:] == ["bad-1"]
+        assert receiver.accepted_callers()[-1:] == ["bad-1"]
         await run("cleanup", "--older-than", "0s")
         assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.events_outbox") == 0
         await run("offsets", "reset", "frontend-sync", "--to-earliest")
@@ -812,20 +781,13 @@ async def test_restrictive_policies_are_refused_and_block_key_changes_added_late
     assert rows == [("upsert", "a", "apple"), ("upsert", "b", "banana"), ("upsert", "a", "pear")]
 
 
-async def test_upgrading_untracks_a_table_sync_track_now_refuses_with_a_warning(
-    empty_dsn: str, roles: Roles, monkeypatch: pytest.MonkeyPatch
+async def test_regenerating_the_relays_untracks_a_table_sync_track_now_refuses_with_a_warning(
+    empty_dsn: str, roles: Roles
 ) -> None:
-    """A table tracked before 0012 whose column type a producer owns: the migration still
-    applies, removes that table's relay with a WARNING naming it (its writes are no longer
-    relayed), and regenerates every other relay."""
-    everything = migrations.available
-    monkeypatch.setattr(
-        migrations,
-        "available",
-        lambda component: [
-            m for m in everything(component) if component != "backend" or m.version < "0012"
-        ],
-    )
+    """A tracked table whose column type a producer came to own: when functions/track.sql is
+    applied again (it changed), regenerating the relays still succeeds, removes that table's
+    relay with a WARNING naming it (its writes are no longer relayed), and regenerates every
+    other relay."""
     conn = await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True)
     async with conn:
         await migrations.migrate(conn, ["backend"])
@@ -833,13 +795,23 @@ async def test_upgrading_untracks_a_table_sync_track_now_refuses_with_a_warning(
     owner, writer = await owner_and_writer(empty_dsn, roles)
     await execute(as_role(empty_dsn, writer), "CREATE TYPE w.mood AS ENUM ('ok', 'bad')")
     await execute(
+        empty_dsn,
+        grant("ALTER TYPE w.mood OWNER TO {}", owner),
+    )
+    await execute(
         as_role(empty_dsn, owner),
         "CREATE TABLE shop.moods (id int PRIMARY KEY, m w.mood)",
         grant("GRANT SELECT, INSERT ON shop.moods TO {}", writer),
     )
     await execute(empty_dsn, "SELECT sync.track('shop.moods', 'mood')")
+    await execute(
+        empty_dsn,
+        grant("ALTER TYPE w.mood OWNER TO {}", writer),
+        # As if the file had changed: its recorded checksum no longer matches.
+        "UPDATE sync.schema_migrations SET checksum = 'changed'"
+        " WHERE version = 'functions/track.sql'",
+    )
 
-    monkeypatch.undo()
     warnings: list[str] = []
     conn = await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True)
     async with conn:
@@ -847,7 +819,7 @@ async def test_upgrading_untracks_a_table_sync_track_now_refuses_with_a_warning(
             lambda n: warnings.append(n.message_primary or "") if n.severity == "WARNING" else None
         )
         applied = await migrations.migrate(conn, ["backend"])
-    assert [m.version for m in applied] == ["0012"]
+    assert [m.label for m in applied] == ["backend/functions/track.sql"]
     [warning] = [w for w in warnings if "shop.moods" in w]
     assert "no longer tracked" in warning and "NOT relayed" in warning, warning
     assert writer in warning, warning

@@ -1,5 +1,5 @@
 """Process-level faults: the consumer runs as a real subprocess against a real PostgreSQL and
-POSTs to a scripted fault receiver (a real aiohttp server on loopback) that records every request
+POSTs to a scripted receiver (a real aiohttp server on loopback) that records every request
 and can hold requests, answer 500, or answer slowly.
 
 What must survive every fault: every committed event reaches the receiver at least once, the
@@ -16,45 +16,44 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from consumer.app.wiring import open_pool
 from consumer.core.events import Position
 from consumer.devtools.devdb import PrivateCluster
 from consumer.store.outbox import FencedError, OutboxStore
-from tests.conftest import (
-    WAITING_COUNT,
-    Databases,
-    fetch_all,
-    fetch_value,
-    wait_until,
-    waiting_for_notify,
-)
-from tests.helpers_processes import (
+from consumer.store.queries import query
+from tests.conftest import WAITING_COUNT, Databases, fetch_all, fetch_value, waiting_for_notify
+from tests.support.backend import (
     CONSUMER,
-    FaultReceiver,
-    Processes,
-    ServersyncProcess,
     insert_calls,
+    last_error,
     leader_lock_holders,
-    lock_application_name,
     offsets_row,
     outbox_end,
     outbox_seqs,
-    pool_application_name,
-    serve_fault_receiver,
 )
+from tests.support.processes import (
+    Processes,
+    ServersyncProcess,
+    lock_application_name,
+    pool_application_name,
+)
+from tests.support.receivers import ScriptedReceiver, scripted_receiver
+from tests.support.waiting import wait_all_delivered, wait_until
 
 STANDING_BY = "another process leads; standing by"
 
 
 @pytest.fixture
-async def receiver() -> AsyncIterator[FaultReceiver]:
-    """A scripted fault receiver on a free loopback port."""
-    async with serve_fault_receiver() as fault_receiver:
-        yield fault_receiver
+async def receiver() -> AsyncIterator[ScriptedReceiver]:
+    """A scripted receiver on a free loopback port."""
+    async with scripted_receiver() as scripted:
+        yield scripted
 
 
 @pytest.fixture
@@ -62,28 +61,6 @@ def procs(tmp_path: Path) -> Iterator[Processes]:
     """Starts consumer processes; kills whatever still runs at the end and prints the logs."""
     with Processes(tmp_path) as launched:
         yield launched
-
-
-async def wait_all_delivered(
-    dsn: str, receiver: FaultReceiver, *, timeout: float = 15.0
-) -> set[int]:
-    """Wait until every event of the outbox was accepted by the receiver and the offset stands
-    at the end of the outbox; returns the outbox's seqs."""
-    expected = set(await outbox_seqs(dsn))
-    await wait_until(
-        lambda: expected <= receiver.delivered,
-        timeout=timeout,
-        what=f"all {len(expected)} events at the receiver "
-        f"(missing {len(expected - receiver.delivered)})",
-    )
-    end = await outbox_end(dsn)
-
-    async def offset_at_end() -> bool:
-        return (await offsets_row(dsn)).get("position") == end
-
-    await wait_until(offset_at_end, timeout=timeout, interval=0.05, what=f"the offset at {end}")
-    assert receiver.delivered == expected, "the receiver got events that are not in the outbox"
-    return expected
 
 
 async def leader_pid(dsn: str) -> int | None:
@@ -106,7 +83,7 @@ async def wait_leader(dsn: str, process: ServersyncProcess, timeout: float = 10.
 
 
 async def test_sigkill_mid_batch_redelivers_only_the_in_flight_batches(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
     """The first batch is held at the receiver while the second (SYNC_MAX_IN_FLIGHT=2) is
     answered; SIGKILL then. The offset never passed the held batch, so the next leader sends
@@ -118,10 +95,10 @@ async def test_sigkill_mid_batch_redelivers_only_the_in_flight_batches(
     )
     await wait_until(lambda: receiver.held == 1, what="the first batch held at the receiver")
     await wait_until(
-        lambda: len(receiver.requests) == 2 and receiver.requests[1].outcome == "ok",
+        lambda: len(receiver.attempts) == 2 and receiver.attempts[1].status == 200,
         what="the second batch answered while the first is held",
     )
-    sent_by_first = list(receiver.requests)
+    sent_by_first = list(receiver.attempts)
     assert [len(r.seqs) for r in sent_by_first] == [50, 50]
 
     first.kill()
@@ -129,7 +106,7 @@ async def test_sigkill_mid_batch_redelivers_only_the_in_flight_batches(
     assert (await offsets_row(backend_dsn))["last_seq"] == 0, "offset moved before the 2xx"
     # The receiver finishes the request it had read: the dead consumer never hears the 200.
     receiver.release()
-    await wait_until(lambda: sent_by_first[0].outcome == "ok", what="the orphaned request answered")
+    await wait_until(lambda: sent_by_first[0].status == 200, what="the orphaned request answered")
     # Events committed while no consumer runs.
     await insert_calls(backend_dsn, 30, tag="while-down")
 
@@ -142,24 +119,24 @@ async def test_sigkill_mid_batch_redelivers_only_the_in_flight_batches(
     assert set(duplicates) <= in_flight, "only the batches in flight may be duplicated"
     assert sum(duplicates.values()) <= len(in_flight)
     # The new leader re-sent exactly those batches, in order, under the same idempotency keys.
-    resent = receiver.requests[2:4]
+    resent = receiver.attempts[2:4]
     assert [(r.key, r.seqs) for r in resent] == [(r.key, r.seqs) for r in sent_by_first]
 
 
 async def test_random_sigkills_lose_nothing_and_bound_duplicates(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
     # SERVERSYNC_TEST_SEED=N replays the kill schedule of a failed run.
     seed = int(os.environ.get("SERVERSYNC_TEST_SEED") or random.randrange(2**32))
     print(f"random seed: {seed} (SERVERSYNC_TEST_SEED)")
     rng = random.Random(seed)
-    batch_size, rounds = 50, 6
+    batch_size, lives = 50, 6
     await insert_calls(backend_dsn, 1800, tag="bulk", transactions=36)
     receiver.latency = (0.0, 0.01)  # a receiver that does some work: kills land mid-request too
     kills = 0
-    for round_no in range(rounds):
+    for life in range(lives):
         process = procs.consumer(
-            backend_dsn, receiver.url, name=f"round-{round_no}", SYNC_BATCH_SIZE=str(batch_size)
+            backend_dsn, receiver.url, name=f"life-{life}", SYNC_BATCH_SIZE=str(batch_size)
         )
         target = receiver.seen + rng.randint(1, 4)
         hold = rng.random() < 0.5
@@ -172,27 +149,27 @@ async def test_random_sigkills_lose_nothing_and_bound_duplicates(
             assert process.returncode is None, f"{process.name} died:\n{process.log()}"
             return receiver.seen >= target and (not hold or receiver.held == 1)
 
-        await wait_until(reached, timeout=15, what=f"request #{target} (round {round_no})")
+        await wait_until(reached, timeout=15, what=f"request #{target} (life {life})")
         process.kill()
         assert await process.wait_exit(5) == -signal.SIGKILL
         kills += 1
         # The request the dead consumer sent is applied, or fails: either way is legal.
         receiver.release(accept=rng.random() < 0.5)
         # Events committed while no consumer runs.
-        await insert_calls(backend_dsn, rng.randint(0, 60), tag=f"round-{round_no}")
+        await insert_calls(backend_dsn, rng.randint(0, 60), tag=f"life-{life}")
 
     procs.consumer(backend_dsn, receiver.url, name="final", SYNC_BATCH_SIZE=str(batch_size))
     expected = await wait_all_delivered(backend_dsn, receiver, timeout=30)
     assert len(expected) >= 1800
     duplicates = sum(receiver.duplicates().values())
     print(f"{kills} kills, {receiver.seen} requests, {duplicates} duplicates")
-    assert kills == rounds
+    assert kills == lives
     # Each kill may cost what was in flight: up to SYNC_MAX_IN_FLIGHT (2) batches.
     assert duplicates <= kills * batch_size * 2
 
 
 async def test_receiver_errors_then_sigkill_during_retries(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
     await insert_calls(backend_dsn, 40)
     receiver.fail_next(10_000)  # HTTP 500 until told otherwise
@@ -200,11 +177,7 @@ async def test_receiver_errors_then_sigkill_during_retries(
     await wait_until(lambda: receiver.seen >= 3, what="three failed attempts")
 
     async def error_recorded() -> bool:
-        error = await fetch_value(
-            backend_dsn,
-            "SELECT last_error FROM sync.consumer_offsets WHERE consumer = %s",
-            (CONSUMER,),
-        )
+        error = await last_error(backend_dsn)
         return error is not None and "HTTP 500" in error
 
     await wait_until(error_recorded, interval=0.05, what="the delivery error recorded")
@@ -221,27 +194,20 @@ async def test_receiver_errors_then_sigkill_during_retries(
     assert "failed (attempt 1)" in second.log()
     # Every attempt carried the same batch under the same key; only the last one was accepted.
     batch = tuple(sorted(await outbox_seqs(backend_dsn)))
-    assert {(r.key, tuple(r.seqs)) for r in receiver.requests} == {
-        (receiver.requests[0].key, batch)
+    assert {(r.key, tuple(r.seqs)) for r in receiver.attempts} == {
+        (receiver.attempts[0].key, batch)
     }
-    assert [r.outcome for r in receiver.requests][-2:] == ["500", "ok"]
-    assert all(r.outcome == "500" for r in receiver.requests[:-1])
+    assert [r.status for r in receiver.attempts][-2:] == [500, 200]
+    assert all(r.status == 500 for r in receiver.attempts[:-1])
     assert not receiver.duplicates()
-    assert (
-        await fetch_value(
-            backend_dsn,
-            "SELECT last_error FROM sync.consumer_offsets WHERE consumer = %s",
-            (CONSUMER,),
-        )
-        is None
-    ), "a successful commit clears the last error"
+    assert await last_error(backend_dsn) is None, "a successful commit clears the last error"
 
 
 # -- standby takeover --------------------------------------------------------------------------
 
 
 async def test_standby_takes_over_after_leader_sigkill(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
     one = procs.consumer(backend_dsn, receiver.url, name="one")
     two = procs.consumer(backend_dsn, receiver.url, name="two")
@@ -291,23 +257,43 @@ async def test_store_fences_offset_writes_of_an_older_epoch(backend_dsn: str) ->
         second = await store.take_leadership(CONSUMER)
         assert first.epoch < second.epoch
 
-        row = await store.snapshot_row(CONSUMER)
+        row = await whole_offsets_row(backend_dsn)
         with pytest.raises(FencedError):
             await store.commit_offset(CONSUMER, first.epoch, Position(1000, 7), 7)
-        await store.record_error(CONSUMER, first.epoch, "from the fenced leader")
+        async with pool.connection() as conn:
+            await conn.execute(
+                query("record_error"),
+                {"consumer": CONSUMER, "epoch": first.epoch, "error": "from the fenced leader"},
+            )
         await store.release_leadership(CONSUMER, first.epoch)
-        with pytest.raises(FencedError):
-            await store.current_position(CONSUMER, first.epoch)
-        assert await store.snapshot_row(CONSUMER) == row, "a fenced epoch changed the row"
+        assert await position_under(backend_dsn, first.epoch) is None
+        assert await whole_offsets_row(backend_dsn) == row, "a fenced epoch changed the row"
 
         await store.commit_offset(CONSUMER, second.epoch, Position(1000, 7), 7)
-        moved = await store.snapshot_row(CONSUMER)
-        assert moved is not None
+        moved = await whole_offsets_row(backend_dsn)
         assert (moved["last_seq"], moved["delivered_total"]) == (7, 7)
         with pytest.raises(FencedError):
             await store.commit_offset(CONSUMER, first.epoch, Position(2000, 9), 2)
-        assert await store.snapshot_row(CONSUMER) == moved
-        assert await store.current_position(CONSUMER, second.epoch) == Position(1000, 7)
+        assert await whole_offsets_row(backend_dsn) == moved
+        assert await position_under(backend_dsn, second.epoch) == Position(1000, 7)
+
+
+async def whole_offsets_row(dsn: str) -> dict[str, Any]:
+    """Every column of the consumer's offsets row."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, row_factory=dict_row)
+    async with conn:
+        cur = await conn.execute(
+            "SELECT * FROM sync.consumer_offsets WHERE consumer = %s", (CONSUMER,)
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    return row
+
+
+async def position_under(dsn: str, epoch: int) -> Position | None:
+    """The stored position as long as `epoch` still leads, else None."""
+    rows = await fetch_all(dsn, query("read_position"), {"consumer": CONSUMER, "epoch": epoch})
+    return Position(int(rows[0][0]), rows[0][1]) if rows else None
 
 
 AUDIT_SQL = """
@@ -333,9 +319,9 @@ FOR EACH ROW EXECUTE FUNCTION audit.log_offsets();
 
 
 async def test_fenced_old_leader_never_moves_the_offset(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
-    # Every change of the offsets row, with the application_name of the session that made it.
+    # Every change of the offsets row, with the application_name of the connection that made it.
     conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
     async with conn:
         await conn.execute(AUDIT_SQL)
@@ -351,7 +337,7 @@ async def test_fenced_old_leader_never_moves_the_offset(
     receiver.hold_next(1)
     await insert_calls(backend_dsn, 30, tag="held")
     await wait_until(lambda: receiver.held == 1, what="the old leader's POST held")
-    held = receiver.requests[0]
+    held = receiver.attempts[0]
 
     terminated = await fetch_all(
         backend_dsn,
@@ -372,7 +358,7 @@ async def test_fenced_old_leader_never_moves_the_offset(
 
     # The old leader's POST now succeeds; its commit must be refused.
     receiver.release()
-    await wait_until(lambda: held.outcome == "ok", what="the old leader's POST answered")
+    await wait_until(lambda: held.status == 200, what="the old leader's POST answered")
     # Either it is refused, or (the bug this guards against) it commits and logs the delivery.
     await wait_until(
         lambda: "was fenced off" in old.log() or "delivered 30 events" in old.log(),
@@ -416,7 +402,7 @@ async def test_fenced_old_leader_never_moves_the_offset(
 
 
 async def test_sigterm_while_idle_exits_cleanly_and_frees_the_lead(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
     first = procs.consumer(backend_dsn, receiver.url, name="first")
     await wait_leader(backend_dsn, first)
@@ -444,7 +430,7 @@ async def test_sigterm_while_idle_exits_cleanly_and_frees_the_lead(
 
 
 async def test_sigterm_lets_the_batch_in_flight_finish(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
     process = procs.consumer(backend_dsn, receiver.url, SYNC_SHUTDOWN_TIMEOUT_SEC="5")
     await wait_leader(backend_dsn, process)
@@ -456,7 +442,7 @@ async def test_sigterm_lets_the_batch_in_flight_finish(
     signalled = time.monotonic()
     assert await process.wait_exit(8) == 0
     assert time.monotonic() - signalled < 5
-    assert receiver.requests[0].outcome == "ok"
+    assert receiver.attempts[0].status == 200
     row = await offsets_row(backend_dsn)
     assert row["position"] == await outbox_end(backend_dsn), "the finished batch was not committed"
     assert row["leader_pid"] is None
@@ -465,7 +451,7 @@ async def test_sigterm_lets_the_batch_in_flight_finish(
 
 
 async def test_sigterm_lets_every_batch_in_flight_finish_and_commits_them(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
     """Two batches out at once (SYNC_MAX_IN_FLIGHT=2), both slow: SIGTERM lets both finish and
     commits both, so the next leader sends neither again."""
@@ -482,7 +468,7 @@ async def test_sigterm_lets_every_batch_in_flight_finish_and_commits_them(
     await wait_until(lambda: receiver.seen == 2, what="two batches in flight")
     process.terminate()
     assert await process.wait_exit(8) == 0
-    assert [r.outcome for r in receiver.requests] == ["ok", "ok"]
+    assert [r.status for r in receiver.attempts] == [200, 200]
     row = await offsets_row(backend_dsn)
     assert row["position"] == await outbox_end(backend_dsn), "an answered batch was not committed"
     assert "abandoned" not in process.log()
@@ -493,7 +479,7 @@ async def test_sigterm_lets_every_batch_in_flight_finish_and_commits_them(
 
 
 async def test_sigterm_abandons_a_batch_the_receiver_never_answers(
-    backend_dsn: str, receiver: FaultReceiver, procs: Processes
+    backend_dsn: str, receiver: ScriptedReceiver, procs: Processes
 ) -> None:
     shutdown_timeout = 2.0
     process = procs.consumer(
@@ -519,11 +505,11 @@ async def test_sigterm_abandons_a_batch_the_receiver_never_answers(
     assert row["leader_pid"] is None
 
     # Nothing is lost: the next leader delivers the abandoned batch.
-    abandoned = receiver.requests[-1]
+    abandoned = receiver.attempts[-1]
     assert len(abandoned.seqs) == 35
     procs.consumer(backend_dsn, receiver.url, name="next")
     await wait_all_delivered(backend_dsn, receiver)
-    assert receiver.requests[-1].seqs == abandoned.seqs
+    assert receiver.attempts[-1].seqs == abandoned.seqs
 
 
 # -- PostgreSQL restart (private cluster only) ---------------------------------------------------
@@ -539,7 +525,7 @@ def private_backend_dsn(private_databases: Databases) -> str:
 @pytest.mark.parametrize(
     "lock_check_sec",
     [
-        # The leader notices its lock session died with the server and leads again (new epoch).
+        # The leader notices its lock connection died with the server and leads again (new epoch).
         pytest.param("0.2", id="lock-loss-noticed"),
         # It does not notice in time: every database step must ride out the outage on its own.
         pytest.param("30", id="lock-loss-unnoticed"),
@@ -548,7 +534,7 @@ def private_backend_dsn(private_databases: Databases) -> str:
 async def test_consumer_rides_out_a_postgres_restart(
     private_cluster: PrivateCluster,
     private_backend_dsn: str,
-    receiver: FaultReceiver,
+    receiver: ScriptedReceiver,
     procs: Processes,
     lock_check_sec: str,
 ) -> None:
@@ -569,18 +555,18 @@ async def test_consumer_rides_out_a_postgres_restart(
     row = await offsets_row(dsn)
     assert row["leader_pid"] == process.pid
     if lock_check_sec == "0.2":
-        assert row["epoch"] > epoch, "the lock session died with the server: a new epoch is due"
+        assert row["epoch"] > epoch, "the lock connection died with the server: a new epoch is due"
     assert not receiver.duplicates()
 
     # A restart while a batch is in flight: the POST succeeds while the database is down.
     receiver.hold_next(1)
     await insert_calls(dsn, 30, tag="in-flight")
     await wait_until(lambda: receiver.held == 1, what="a batch in flight")
-    in_flight = receiver.requests[-1]
+    in_flight = receiver.attempts[-1]
     await asyncio.to_thread(private_cluster.stop, "fast")
     try:
         receiver.release()
-        await wait_until(lambda: in_flight.outcome == "ok", what="the in-flight POST answered")
+        await wait_until(lambda: in_flight.status == 200, what="the in-flight POST answered")
     finally:
         await asyncio.to_thread(private_cluster.start)
     await insert_calls(dsn, 20, tag="after-second")
@@ -604,7 +590,7 @@ async def _waiting_and_counted(dsn: str) -> bool:
 async def test_after_a_crash_an_idle_consumer_is_woken_by_the_first_commit(
     private_cluster: PrivateCluster,
     private_backend_dsn: str,
-    receiver: FaultReceiver,
+    receiver: ScriptedReceiver,
     procs: Processes,
 ) -> None:
     """The waiting flags and the relay's count of them are unlogged: a crash empties both. The
@@ -638,7 +624,7 @@ async def test_after_a_crash_an_idle_consumer_is_woken_by_the_first_commit(
 async def test_sigterm_while_the_database_is_down(
     private_cluster: PrivateCluster,
     private_backend_dsn: str,
-    receiver: FaultReceiver,
+    receiver: ScriptedReceiver,
     procs: Processes,
     moment: str,
 ) -> None:
@@ -665,7 +651,7 @@ async def test_sigterm_while_the_database_is_down(
         if moment == "commit-pending":
             # The POST succeeds; the commit that follows finds no database.
             receiver.release()
-            await wait_until(lambda: receiver.requests[-1].outcome == "ok", what="the answer")
+            await wait_until(lambda: receiver.attempts[-1].status == 200, what="the answer")
         process.terminate()
         signalled = time.monotonic()
         # Within the shutdown timeout and a little, not the pool's 30 s connection wait.
@@ -680,7 +666,7 @@ async def test_sigterm_while_the_database_is_down(
     await insert_calls(dsn, 5, tag="after")
     await wait_all_delivered(dsn, receiver)
     if moment == "commit-pending":
-        assert set(receiver.duplicates()) <= set(receiver.requests[1].seqs)
+        assert set(receiver.duplicates()) <= set(receiver.attempts[1].seqs)
     else:
         assert not receiver.duplicates()
 
@@ -689,7 +675,7 @@ async def test_sigterm_while_the_database_is_down(
 async def test_a_postgres_crash_mid_drain_loses_nothing_and_resends_only_its_last_moments(
     private_cluster: PrivateCluster,
     private_backend_dsn: str,
-    receiver: FaultReceiver,
+    receiver: ScriptedReceiver,
     procs: Processes,
 ) -> None:
     """PostgreSQL is killed (immediate stop: no shutdown checkpoint) while a backlog drains. The
@@ -710,8 +696,8 @@ async def test_a_postgres_crash_mid_drain_loses_nothing_and_resends_only_its_las
     assert process.returncode is None, "the consumer died with the database"
 
     first_accepted: dict[int, float] = {}
-    for request in receiver.requests:
-        if request.outcome == "ok":
+    for request in receiver.attempts:
+        if request.status == 200:
             for seq in request.seqs:
                 first_accepted.setdefault(seq, request.arrived)
     duplicates = receiver.duplicates()

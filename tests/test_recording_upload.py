@@ -33,34 +33,30 @@ from tests.conftest import (
     running_consumer,
     serve_receiver,
     start_cli,
-    wait_until,
 )
-from tests.helpers_processes import ServersyncProcess
-from tests.helpers_recordings import (
-    CONSUMER,
+from tests.support.backend import execute, offset
+from tests.support.cli import assert_one_line_error
+from tests.support.dlq import Parked, all_dead_letters, parked_by_entity
+from tests.support.processes import ServersyncProcess
+from tests.support.recordings import (
+    RECORDINGS_CONSUMER,
     SECRET,
-    Parked,
     Recording,
     RecordingProcesses,
     add_recording,
-    all_dead_letters,
     event_position,
-    execute,
     incoming_leftovers,
     make_recording,
-    parked,
     recording_receiver,
     recording_row,
     stored_files,
-    upload_position,
     upload_statuses,
-    wait_offset_at_end,
     wait_uploaded,
     wav_bytes,
     write_large_wav,
 )
-from tests.test_cli import assert_one_line_error
-from tests.test_recording_receiver import Upload, audio_offset, held_back, multipart, post
+from tests.support.uploads import Upload, audio_offset, held_back, multipart, post
+from tests.support.waiting import wait_caught_up, wait_until
 
 AFTER_UPLOAD = "recording-upload.after-upload=kill"
 AFTER_MARK = "recording-upload.after-mark=kill"
@@ -106,6 +102,11 @@ def upload_settings(dsn: str, receiver_url: str, local: Path, **overrides: Any) 
     )
 
 
+async def parked(dsn: str) -> dict[str, Parked]:
+    """recording-upload's dead letters by recording id."""
+    return await parked_by_entity(dsn, RECORDINGS_CONSUMER)
+
+
 def without(before: dict[Path, bytes | str], folder: Path) -> dict[Path, bytes | str]:
     """A snapshot without what lies in `folder`."""
     return {path: data for path, data in before.items() if not path.is_relative_to(folder)}
@@ -143,11 +144,11 @@ async def test_recordings_are_uploaded_marked_and_deleted_locally(
     async with recording_receiver(receiver_dsn, store) as receiver:
         made = [await make_recording(backend_dsn, local) for _ in range(3)]
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER) as runtime:
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
             for recording in made:
                 await wait_uploaded(backend_dsn, recording.recording_id)
             await wait_until(lambda: not any(r.folder.exists() for r in made), timeout=10)
-            await wait_offset_at_end(backend_dsn)
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             assert runtime.stats.failed_deliveries == 0
         for recording in made:
             assert receiver.log.count(recording.recording_id) == 1
@@ -188,15 +189,15 @@ async def test_each_recording_of_a_call_deletes_only_its_own_files(
         (c_only.folder / "notes.txt").write_bytes(b"not a recording")
 
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER) as runtime:
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
             for recording in (a_first, b_first, b_second, c_only):
                 await wait_uploaded(backend_dsn, recording.recording_id)
-            await wait_offset_at_end(backend_dsn)
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             assert sorted(p.name for p in a_first.folder.iterdir()) == ["meta.json", "second.wav"]
             a_second = await add_recording(backend_dsn, a_first, "second.wav")
             await wait_uploaded(backend_dsn, a_second.recording_id)
             await wait_until(lambda: not a_first.folder.exists(), what="call A's folder deleted")
-            await wait_offset_at_end(backend_dsn)
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             assert runtime.stats.failed_deliveries == 0
 
         made = (a_first, a_second, b_first, b_second, c_only)
@@ -222,7 +223,7 @@ async def killed_at(
         dsn, receiver_url, local, "first", SERVERSYNC_FAILPOINTS=failpoint
     )
     assert await first.wait_exit(20) == -signal.SIGKILL
-    position = await upload_position(dsn)
+    position = await offset(dsn, RECORDINGS_CONSUMER)
     assert position is None or position < await event_position(dsn, recording.recording_id)
     return recording
 
@@ -234,7 +235,7 @@ async def restarted(
     at the end of the outbox."""
     second = procs.upload_consumer(dsn, receiver_url, local, "second")
     await wait_until(lambda: not recording.folder.exists(), timeout=20, what="the folder deleted")
-    await wait_offset_at_end(dsn)
+    await wait_caught_up(dsn, RECORDINGS_CONSUMER)
     return second
 
 
@@ -299,22 +300,22 @@ async def test_replay_from_earliest_over_uploaded_rows_and_gone_folders_changes_
     async with recording_receiver(receiver_dsn, store) as receiver:
         made = [await make_recording(backend_dsn, local) for _ in range(3)]
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER):
+        async with running_consumer(settings, RECORDINGS_CONSUMER):
             urls = [await wait_uploaded(backend_dsn, r.recording_id) for r in made]
             await wait_until(lambda: not any(r.folder.exists() for r in made))
-            end = await wait_offset_at_end(backend_dsn)
+            end = await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
         assert len(receiver.log.uploads) == 3
 
         env = cli_env(DATABASE_URL=backend_dsn)
         reset = await finish(
-            await start_cli("offsets", "reset", CONSUMER, "--to-earliest", env=env)
+            await start_cli("offsets", "reset", RECORDINGS_CONSUMER, "--to-earliest", env=env)
         )
         assert reset.code == 0, reset
         assert "will be replayed" in reset.stdout, reset.stdout
-        assert await upload_position(backend_dsn) == Position.start()
+        assert await offset(backend_dsn, RECORDINGS_CONSUMER) == Position.start()
 
-        async with running_consumer(settings, CONSUMER) as runtime:
-            assert await wait_offset_at_end(backend_dsn) == end
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
+            assert await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER) == end
             assert runtime.stats.failed_deliveries == 0
             assert runtime.stats.parked_events == 0
             replayed = len(await fetch_all(backend_dsn, "SELECT seq FROM sync.events_outbox"))
@@ -388,8 +389,8 @@ async def test_paths_leaving_recordings_dir_are_parked_and_nothing_outside_is_to
         good.append(await make_recording(backend_dsn, local))
 
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER) as runtime:
-            await wait_offset_at_end(backend_dsn)
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             assert runtime.stats.parked_events == len(refused)
             assert runtime.stats.retries == 0
 
@@ -445,8 +446,8 @@ async def test_missing_files_and_bad_meta_are_parked_and_kept(
         }
 
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER) as runtime:
-            await wait_offset_at_end(backend_dsn)
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             assert runtime.stats.parked_events == len(expected)
 
         dead = await parked(backend_dsn)
@@ -479,8 +480,8 @@ async def test_a_file_over_the_receivers_limit_is_parked_not_retried(
         before = snapshot(local)
 
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER) as runtime:
-            await wait_offset_at_end(backend_dsn)
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             # A refusal is not passing trouble: never retried with backoff.
             assert runtime.stats.retries == 0
             assert runtime.stats.parked_events == 2
@@ -554,7 +555,7 @@ async def test_uploads_run_two_at_a_time_and_the_offset_waits_for_the_slowest(
         made = [await make_recording(backend_dsn, local) for _ in range(6)]
         receiver.log.hold_all = True
         settings = upload_settings(backend_dsn, receiver.url, local, SYNC_UPLOAD_CONCURRENCY=2)
-        async with running_consumer(settings, CONSUMER) as runtime:
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
             await wait_until(lambda: len(receiver.log.waiting) >= 2, what="two uploads held")
             assert len(receiver.log.waiting) == 2
             assert receiver.log.max_in_flight == 2
@@ -568,7 +569,7 @@ async def test_uploads_run_two_at_a_time_and_the_offset_waits_for_the_slowest(
             assert receiver.log.waiting == [slow]
             assert receiver.log.max_in_flight == 2
             # Everything else is done, but the offset has not passed the held upload's event.
-            position = await upload_position(backend_dsn)
+            position = await offset(backend_dsn, RECORDINGS_CONSUMER)
             assert position == Position.start()
             assert position < await event_position(backend_dsn, slow)
             assert await recording_row(backend_dsn, slow) == ("pending", None)
@@ -576,7 +577,7 @@ async def test_uploads_run_two_at_a_time_and_the_offset_waits_for_the_slowest(
 
             await receiver.log.release(slow)
             await wait_uploaded(backend_dsn, slow)
-            await wait_offset_at_end(backend_dsn)
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             assert runtime.stats.failed_deliveries == 0
         assert receiver.log.max_in_flight == 2
         assert len(receiver.log.uploads) == len(made)
@@ -593,14 +594,16 @@ async def test_deleted_rows_settled_rows_and_other_events_are_skipped(
     local, store = dirs(tmp_path)
     async with recording_receiver(receiver_dsn, store) as receiver:
         deleted = await make_recording(backend_dsn, local)
-        await execute(backend_dsn, "DELETE FROM recordings WHERE id = %s", (deleted.recording_id,))
+        await execute(
+            backend_dsn, "DELETE FROM recordings WHERE id = %s", params=(deleted.recording_id,)
+        )
         uploaded = await make_recording(backend_dsn, local, upload_status="uploaded")
         failed = await make_recording(backend_dsn, local, upload_status="failed")
         failed_later = await make_recording(backend_dsn, local)
         await execute(
             backend_dsn,
             "UPDATE recordings SET upload_status = 'failed' WHERE id = %s",
-            (failed_later.recording_id,),
+            params=(failed_later.recording_id,),
         )
         await execute(
             backend_dsn,
@@ -610,8 +613,8 @@ async def test_deleted_rows_settled_rows_and_other_events_are_skipped(
         before = snapshot(local)
 
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER) as runtime:
-            await wait_offset_at_end(backend_dsn)
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             assert runtime.stats.failed_deliveries == 0
             assert runtime.stats.parked_events == 0
         assert receiver.log.uploads == []
@@ -637,8 +640,8 @@ async def test_a_parked_missing_file_is_retried_from_the_cli_once_it_is_in_place
         recording = await make_recording(backend_dsn, local, write_files=False)
         rid = recording.recording_id
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER):
-            await wait_offset_at_end(backend_dsn)
+        async with running_consumer(settings, RECORDINGS_CONSUMER):
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
         message = (await parked(backend_dsn))[rid]
         assert message.error_code == "RECORDING_FILE_MISSING"
         assert await recording_row(backend_dsn, rid) == ("failed", None)
@@ -679,8 +682,8 @@ async def test_an_operator_retry_makes_a_parked_recording_pending_then_failed_or
         recording = await make_recording(backend_dsn, local, write_files=False)
         rid = recording.recording_id
         settings = upload_settings(backend_dsn, receiver.url, local)
-        async with running_consumer(settings, CONSUMER):
-            await wait_offset_at_end(backend_dsn)
+        async with running_consumer(settings, RECORDINGS_CONSUMER):
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
         message = (await parked(backend_dsn))[rid]
         assert await recording_row(backend_dsn, rid) == ("failed", None)
 
@@ -690,7 +693,7 @@ async def test_an_operator_retry_makes_a_parked_recording_pending_then_failed_or
             try:
                 # Retried while the files are still missing: pending while it is tried, then
                 # failed again, the message back in the queue.
-                again = await service.retry_all(CONSUMER)
+                again = await service.retry_all(RECORDINGS_CONSUMER)
                 assert (again.retried, again.succeeded, again.failed) == (1, 0, 1), again
                 assert await recording_row(backend_dsn, rid) == ("failed", None)
                 assert (await parked(backend_dsn))[rid].status == "PENDING"
@@ -703,7 +706,7 @@ async def test_an_operator_retry_makes_a_parked_recording_pending_then_failed_or
                 (recording.folder / "mixed.wav").write_bytes(recording.audio)
                 (recording.folder / "meta.json").write_bytes(b'{"late": true}')
                 await receiver.log.hold_only(rid)
-                async with running_consumer(settings, CONSUMER):
+                async with running_consumer(settings, RECORDINGS_CONSUMER):
                     retry = asyncio.create_task(service.retry(message.id))
                     await wait_until(lambda: rid in receiver.log.waiting, what="the retry held")
                     assert await recording_row(backend_dsn, rid) == ("pending", None)
@@ -711,7 +714,7 @@ async def test_an_operator_retry_makes_a_parked_recording_pending_then_failed_or
                     result = await retry
                     assert result.delivered, result
                     assert result.message.status == "RESOLVED"
-                    await wait_offset_at_end(backend_dsn)
+                    await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             finally:
                 await service.close()
 
@@ -750,7 +753,10 @@ async def test_a_row_mark_lost_after_the_park_is_made_when_the_lead_is_taken(
             SERVERSYNC_FAILPOINTS="recording-upload.after-park=kill",
         )
         assert await first.wait_exit(20) == -signal.SIGKILL
-        assert set(await parked(backend_dsn)) == {lost.recording_id, asked_again.recording_id}
+        assert set(await parked(backend_dsn)) == {
+            lost.recording_id,
+            asked_again.recording_id,
+        }
         for recording in (lost, asked_again):
             assert await recording_row(backend_dsn, recording.recording_id) == ("pending", None)
 
@@ -762,13 +768,13 @@ async def test_a_row_mark_lost_after_the_park_is_made_when_the_lead_is_taken(
         await execute(
             backend_dsn,
             "UPDATE recordings SET upload_status = 'pending', updated_at = now() WHERE id = %s",
-            (asked_again.recording_id,),
+            params=(asked_again.recording_id,),
         )
 
         second = procs.upload_consumer(backend_dsn, receiver.url, local, "second")
         await second.wait_log("1 parked recording(s) marked failed")
         await wait_uploaded(backend_dsn, asked_again.recording_id)
-        await wait_offset_at_end(backend_dsn)
+        await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
         assert await second.stop() == 0
         assert await recording_row(backend_dsn, lost.recording_id) == ("failed", None)
         assert receiver.log.ids() == {asked_again.recording_id}
@@ -789,7 +795,7 @@ async def test_run_refuses_to_start_without_a_usable_recordings_dir(
             FRONTEND_BASE_URL="http://127.0.0.1:9",
             RECORDINGS_DIR=str(where),
         )
-        result = await finish(await start_cli("run", CONSUMER, env=env), timeout=30)
+        result = await finish(await start_cli("run", RECORDINGS_CONSUMER, env=env), timeout=30)
         # A configuration error: exit 2, one line naming the variable.
         line = assert_one_line_error(result, 2, "RECORDINGS_DIR", str(where), "not a directory")
         assert line.startswith("serversync: configuration error: "), line
@@ -805,7 +811,7 @@ async def test_a_vanished_recordings_dir_is_retried_not_parked(
     away = tmp_path / "unmounted"
     async with recording_receiver(receiver_dsn, store) as receiver:
         settings = upload_settings(backend_dsn, receiver.url, local, SYNC_MAX_ATTEMPTS=0)
-        async with running_consumer(settings, CONSUMER) as runtime:
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
             await wait_until(lambda: runtime.stats.is_leader, what="the consumer leading")
             local.rename(away)
             recording = await make_recording(backend_dsn, local, write_files=False)
@@ -816,7 +822,7 @@ async def test_a_vanished_recordings_dir_is_retried_not_parked(
             assert await parked(backend_dsn) == {}
             away.rename(local)
             await wait_uploaded(backend_dsn, recording.recording_id)
-            await wait_offset_at_end(backend_dsn)
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
         assert receiver.log.count(recording.recording_id) == 1
     assert await parked(backend_dsn) == {}
 
@@ -855,7 +861,7 @@ async def test_a_receiver_in_trouble_is_retried_and_nothing_is_deleted_on_its_wo
     ) as url:
         recording = await make_recording(backend_dsn, local)
         settings = upload_settings(backend_dsn, url, local, SYNC_RETRY_INITIAL_SEC=0.2)
-        async with running_consumer(settings, CONSUMER) as runtime:
+        async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
             await wait_until(lambda: len(seen) == 3, what="three troubled answers")
             # Each trouble is seen before the next attempt: the local copy and the row are
             # untouched in between (the backoff leaves time to look).
@@ -863,7 +869,7 @@ async def test_a_receiver_in_trouble_is_retried_and_nothing_is_deleted_on_its_wo
             assert await recording_row(backend_dsn, recording.recording_id) == ("pending", None)
             status = await wait_uploaded(backend_dsn, recording.recording_id)
             await wait_until(lambda: not recording.folder.exists(), what="the folder deleted")
-            await wait_offset_at_end(backend_dsn)
+            await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
             assert runtime.stats.retries == 3
     assert seen == ["trouble", "trouble", "trouble", "ok"]
     assert status.startswith(url)
@@ -906,7 +912,7 @@ async def test_a_receiver_busy_or_short_of_disk_space_is_retried_and_nothing_is_
                 recording = await make_recording(backend_dsn, local)
                 rid = recording.recording_id
                 settings = upload_settings(backend_dsn, receiver.url, local)
-                async with running_consumer(settings, CONSUMER) as runtime:
+                async with running_consumer(settings, RECORDINGS_CONSUMER) as runtime:
                     await wait_until(
                         lambda: (
                             receiver.log.statuses(rid)[:1] == [503] and runtime.stats.retries >= 1
@@ -927,7 +933,7 @@ async def test_a_receiver_busy_or_short_of_disk_space_is_retried_and_nothing_is_
                     assert await parked(backend_dsn) == {}
                     receiver.files.min_free_bytes = 0
                     await wait_uploaded(backend_dsn, rid)
-                    await wait_offset_at_end(backend_dsn)
+                    await wait_caught_up(backend_dsn, RECORDINGS_CONSUMER)
                     assert runtime.stats.parked_events == 0
             finally:
                 release.set()

@@ -6,7 +6,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer, wait_until
+from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer
+from tests.support.waiting import wait_delivered_events
 
 
 async def test_insert_update_delete_are_relayed_in_order(backend_dsn: str) -> None:
@@ -189,11 +190,7 @@ async def test_changes_reach_the_receiver(
             )
             await conn.execute("UPDATE call_logs SET status = 'done' WHERE caller_number = 'c1'")
             await conn.execute("DELETE FROM call_logs WHERE caller_number = 'c2'")
-
-        async def all_delivered() -> bool:
-            return runtime.stats.delivered_events == 252
-
-        await wait_until(all_delivered, what="252 events delivered")
+        await wait_delivered_events(runtime, 252)
         # Woken by NOTIFY, not by the 30 s poll timer.
         assert runtime.stats.poll_wakeups == 0
     live = await fetch_all(
@@ -215,9 +212,10 @@ async def test_changes_reach_the_receiver(
 
 
 async def test_the_generated_relay_writes_each_key_as_its_json_text(backend_dsn: str) -> None:
-    """sync.track writes a relay per table (sql/backend/0005) that reads the key straight from
-    the row: the entity id must still be the key's JSON text, as `payload ->> key` gives it, for
-    keys of any type and for column names that would end a dollar quote or an identifier."""
+    """sync.track writes a relay per table (sql/backend/functions/track.sql) that reads the key
+    straight from the row: the entity id must still be the key's JSON text, as `payload ->> key`
+    gives it, for keys of any type and for column names that would end a dollar quote or an
+    identifier."""
     keys = {
         "k_bigint": ("bigint", "42"),
         "k_int": ("integer", "-7"),
@@ -274,8 +272,8 @@ async def test_the_generated_relay_writes_each_key_as_its_json_text(backend_dsn:
 async def test_a_row_with_an_empty_or_null_key_is_refused_with_its_table_named(
     backend_dsn: str,
 ) -> None:
-    """The outbox has no CHECK constraints (sql/backend/0006): the relay itself refuses an empty
-    key, with the constraint's error class, and the producer's write is undone with it."""
+    """The outbox has no CHECK constraints (sql/backend/schema.sql): the relay itself refuses an
+    empty key, with the constraint's error class, and the producer's write is undone with it."""
     conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
     async with conn:
         await conn.execute("CREATE TABLE gadgets (code text, colour text)")
@@ -342,8 +340,8 @@ async def test_keys_swapped_in_one_statement_leave_both_entities(backend_dsn: st
 async def test_a_statement_that_changes_many_rows_relays_each_row_in_order(
     backend_dsn: str,
 ) -> None:
-    """Ordinary tables relay once per statement (sql/backend/0007): every row a multi-row
-    INSERT, UPDATE, DELETE, upsert, MERGE or COPY changed is one event, in the order the
+    """Ordinary tables relay once per statement (sql/backend/functions/track.sql): every row a
+    multi-row INSERT, UPDATE, DELETE, upsert, MERGE or COPY changed is one event, in the order the
     statement changed them, with the row relay's op, key and payload."""
     conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
     async with conn:
@@ -439,11 +437,12 @@ async def test_a_partitioned_table_relays_writes_made_through_any_partition(
     ]
 
 
-async def test_columns_added_dropped_or_retyped_show_in_the_next_events_of_a_running_session(
+async def test_columns_added_dropped_or_retyped_show_in_the_next_events_of_an_open_connection(
     backend_dsn: str,
 ) -> None:
-    """A producer's session keeps its relay's statements planned; another session's ALTER TABLE
-    must reach them (the payload is the row as it is now, not as it was when first planned)."""
+    """A producer's connection keeps its relay's statements planned; another connection's ALTER
+    TABLE must reach them (the payload is the row as it is now, not as it was when first
+    planned)."""
     producer = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
     other = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
     async with producer, other:

@@ -1,5 +1,5 @@
-"""The relay sync.track generates works for any legal identifier (sql/backend/0011): a column
-named like one of the generated code's aliases or variables stays a column, a `%` in a key
+"""The relay sync.track generates works for any legal identifier (sql/backend/functions/track.sql):
+a column named like one of the generated code's aliases or variables stays a column, a `%` in a key
 column's name is part of the name, sync.tracked_tables reads back every name it was given, and
 the schema, table and column names of a tracked table may hold quotes, backslashes, reserved
 words, dollar quotes and any Unicode."""
@@ -76,7 +76,7 @@ async def test_a_column_named_like_a_trigger_variable_leaves_writes_working(
     ]
 
 
-# Key columns whose names 0009 spliced into a format string: `k%1$s` was read as the column
+# Key columns whose names an older relay spliced into format strings: `k%1$s` was read as the column
 # kr, `share%%` as a column share% that does not exist (every write failed), and `a%sb` or
 # `%I` made sync.track itself fail for want of format() arguments.
 PERCENT_KEYS = ["k%1$s", "share%%", "a%sb", "%I", "%L%%s"]
@@ -110,7 +110,7 @@ async def test_a_key_column_with_percent_signs_in_its_name_is_read_as_itself(
             ], (key, kind)
 
 
-# 0009's sync.tracked_tables escaped the trigger's arguments (encode(tgargs, 'escape')), split
+# An earlier sync.tracked_tables escaped the trigger's arguments (encode(tgargs, 'escape')), split
 # the text at '\000' and read each part back as bytea: a name holding the text \000 was split
 # inside itself and left a lone backslash, which is no bytea, so the view failed.
 BACKSLASH_KEYS = ["a\\000b", "\\000", "x\\", "\\\\", "é\\000日本", "\\x41"]
@@ -140,19 +140,11 @@ async def test_tracked_tables_lists_key_columns_that_hold_backslashes_or_the_tex
     ]
 
 
-async def test_upgrading_regenerates_relays_tracked_with_hostile_names(
-    empty_dsn: str, monkeypatch: pytest.MonkeyPatch
+async def test_regenerating_the_relays_keeps_tables_tracked_with_hostile_names(
+    empty_dsn: str,
 ) -> None:
-    """0011 regenerates every tracked relay, including those whose names 0009 mishandled: it
-    must read them back from a view that could not list them before."""
-    everything = migrations.available
-    monkeypatch.setattr(
-        migrations,
-        "available",
-        lambda component: [
-            m for m in everything(component) if component != "backend" or m.version < "0011"
-        ],
-    )
+    """functions/track.sql, applied again when it changes, regenerates every tracked relay from
+    what sync.tracked_tables reads back, names a splicing relay once mishandled included."""
     conn = await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True)
     async with conn:
         await migrations.migrate(conn, ["backend"])
@@ -162,9 +154,13 @@ async def test_upgrading_regenerates_relays_tracked_with_hostile_names(
         await conn.execute("SELECT sync.track('before_pct', 'before_pct', 'share%%')")
         await conn.execute('CREATE TABLE before_nul ("a\\000b" int PRIMARY KEY)')
         await conn.execute("SELECT sync.track('before_nul', 'before_nul', 'a\\000b')")
-        monkeypatch.undo()
+        # As if the file had changed: its recorded checksum no longer matches.
+        await conn.execute(
+            "UPDATE sync.schema_migrations SET checksum = 'changed'"
+            " WHERE version = 'functions/track.sql'"
+        )
         applied = await migrations.migrate(conn, ["backend"])
-        assert [m.version for m in applied][:1] == ["0011"]
+        assert [m.label for m in applied] == ["backend/functions/track.sql"]
         await conn.execute("INSERT INTO before_r VALUES (1, 'x', 5)")
         await conn.execute("INSERT INTO before_pct VALUES ('p', 'y')")
         await conn.execute("INSERT INTO before_nul VALUES (3)")
@@ -232,7 +228,7 @@ class KeyType:
     textual: bool
 
 
-# One of each way 0011 reads a key: as it is (integer, NOT NULL), through to_json (NOT NULL
+# One of each way the relay reads a key: as it is (integer, NOT NULL), through to_json (NOT NULL
 # numeric), checked for empty or NULL as text (text, varchar) or through to_json (nullable).
 KEY_TYPES = [
     KeyType("bigint NOT NULL", textual=False),

@@ -9,14 +9,8 @@ import random
 import psycopg
 
 from consumer.store.queries import query
-from tests.conftest import (
-    WAITING_COUNT,
-    fetch_all,
-    fetch_value,
-    make_settings,
-    running_consumer,
-    wait_until,
-)
+from tests.conftest import WAITING_COUNT, fetch_all, fetch_value, make_settings, running_consumer
+from tests.support.waiting import wait_delivered_events, wait_until
 
 WAIT_LOG = """
 CREATE TABLE wait_log (n bigserial PRIMARY KEY, consumer text, waiting boolean);
@@ -50,9 +44,7 @@ async def test_idle_consumer_asks_for_wakeups_and_stops_asking_when_busy(
                 "INSERT INTO call_logs (caller_number, callee_number) "
                 "SELECT 'c' || g, 'x' FROM generate_series(1, 450) g"
             )
-            await wait_until(
-                lambda: runtime.stats.delivered_events == 450, what="450 events delivered"
-            )
+            await wait_delivered_events(runtime, 450)
             await wait_until(lambda: _waiting(backend_dsn), what="the consumer to wait again")
             assert runtime.stats.poll_wakeups == 0
     log = [
@@ -85,10 +77,8 @@ async def test_no_wakeup_is_lost_to_commits_racing_the_announcement(
                     "INSERT INTO call_logs (caller_number, callee_number) VALUES (%s, 'x')",
                     (f"race-{i}",),
                 )
-        await wait_until(
-            lambda: runtime.stats.delivered_events == 150,
-            timeout=5,
-            what="every event, well before the 60 s poll timer",
+        await wait_delivered_events(
+            runtime, 150, timeout=5, what="every event, well before the 60 s poll timer"
         )
         assert runtime.stats.poll_wakeups == 0
 
@@ -104,7 +94,7 @@ async def test_without_listen_the_consumer_polls_and_never_asks_for_wakeups(
             backend_dsn,
             "INSERT INTO call_logs (caller_number, callee_number) VALUES ('p', 'x') RETURNING 1",
         )
-        await wait_until(lambda: runtime.stats.delivered_events == 1, what="the polled event")
+        await wait_delivered_events(runtime, 1, what="the polled event")
         await wait_until(lambda: runtime.stats.poll_wakeups > 0, what="a poll wake-up")
     assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.consumer_waits") == 0
 

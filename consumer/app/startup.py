@@ -14,6 +14,7 @@ from psycopg import conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from consumer.app.settings import ConfigError
+from consumer.core.errors import first_line
 from consumer.store import migrations
 from consumer.store.db import connect, connect_kwargs, mask_dsn
 
@@ -35,9 +36,9 @@ async def connect_or_explain(dsn: str, role: str, what: str) -> psycopg.AsyncCon
     try:
         return await connect(dsn, role)
     except psycopg.Error as exc:
-        lines = str(exc).strip().splitlines()
-        first = lines[0] if lines else type(exc).__name__
-        raise StartupError(f"cannot connect to {what} ({mask_dsn(dsn)}): {first}") from None
+        raise StartupError(
+            f"cannot connect to {what} ({mask_dsn(dsn)}): {first_line(exc)}"
+        ) from None
 
 
 async def check_database(dsn: str, components: list[str], what: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from consumer.core.errors import first_line
 from consumer.ops import adminapi
 from consumer.ops.deadletters import DeadLetters
 from consumer.wire.httpjson import json_response, server_handler_args
@@ -60,8 +61,7 @@ async def readyz(request: web.Request) -> web.Response:
     except TimeoutError:
         database = f"no answer within {PING_TIMEOUT_SEC:g}s"
     except Exception as exc:
-        lines = str(exc).strip().splitlines()
-        database = lines[0] if lines else type(exc).__name__
+        database = first_line(exc)
     ready = database == "ok" and state in READY_STATES
     return json_response(
         {

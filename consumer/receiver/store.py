@@ -11,8 +11,9 @@ from psycopg_pool import AsyncConnectionPool
 # entry of each entity in the batch (ON CONFLICT cannot touch one row twice in a statement), and
 # the WHERE of the upsert is the version guard: an entry not newer than the stored state is a
 # no-op, and a delete leaves a tombstone that a late, older upsert cannot overwrite. Keys are
-# sorted and compared in byte order, as the table's key columns are (sql/receiver/0002). seq is
-# read as numeric and cast: 8444.0 is the integer 8444 (validated as such before).
+# sorted and compared in byte order, as the table's key columns are
+# (sql/receiver/0001_baseline.sql). seq is read as numeric and cast: 8444.0 is the integer 8444
+# (validated as such before).
 APPLY_ENTRIES = """
 WITH incoming AS (
     SELECT DISTINCT ON (e."entityType", e."entityId")

@@ -1,10 +1,11 @@
 """Waiting for work: the waiting flag that asks producers for a NOTIFY, and the sleep it ends.
 
-The relay sends NOTIFY only while a consumer is marked waiting (sql/backend/0002). After an
-empty read the consumer first lingers briefly and reads again; only if that read is empty too
-does it mark itself waiting, read once more (a commit may have raced the mark), and sleep. A
-consumer under steady load therefore never marks itself waiting and costs producers no NOTIFY at
-all; an idle one is woken at once. The mark is cleared as soon as a read finds events again.
+The relay sends NOTIFY only while a consumer is marked waiting (the wake-up policy of
+sql/backend/0001_baseline.sql). After an empty read the consumer first lingers briefly and reads
+again; only if that read is empty too does it mark itself waiting, read once more (a commit may
+have raced the mark), and sleep. A consumer under steady load therefore never marks itself
+waiting and costs producers no NOTIFY at all; an idle one is woken at once. The mark is cleared
+as soon as a read finds events again.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ the batch again: the receiver is idempotent by recordingId, a row already marked
 again, and files already gone are not an error.
 
 A recording the consumer parks in the dead-letter queue is marked 'failed' once the park is
-committed (consumer/app/wiring.py); the sink that redelivers it for an operator (for_dead_letters)
-makes it 'pending' while it is tried, then 'uploaded', or 'failed' again.
+committed (consumer/app/recording_kind.py); the sink that redelivers it for an operator
+(for_dead_letters) makes it 'pending' while it is tried, then 'uploaded', or 'failed' again.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ class AdminError(Exception):
     """An operator command cannot be carried out; the message says why, in one line."""
 
 
+class UnknownConsumerError(AdminError):
+    """No consumer of that name is registered: bad input, as a bad option is."""
+
+
 # Backlogs up to this many events are counted exactly; larger ones are estimated from seq
 # numbers (sql/queries.sql, consumer_status), so that reading them costs the same at any size.
 EXACT_BACKLOG_UP_TO = 10_000
@@ -115,7 +119,9 @@ async def plan_reset(
     rows = await consumer_status(conn, consumer)
     if not rows:
         known = [r["consumer"] for r in await consumer_status(conn)]
-        raise AdminError(f"no consumer named {consumer!r} (known: {', '.join(known) or 'none'})")
+        raise UnknownConsumerError(
+            f"no consumer named {consumer!r} (known: {', '.join(known) or 'none'})"
+        )
     current = Position(int(rows[0]["last_txid"]), int(rows[0]["last_seq"]))
 
     target: Position | None

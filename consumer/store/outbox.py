@@ -13,6 +13,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from consumer.core.events import Batch, DeadLetter, Position
 from consumer.observability.redact import safe_error
+from consumer.store.admin import UnknownConsumerError
 from consumer.store.dlq import park_parameters
 from consumer.store.queries import query
 from consumer.wire.entries import encode_entries
@@ -20,10 +21,6 @@ from consumer.wire.entries import encode_entries
 
 class FencedError(Exception):
     """A newer leader took over this consumer: the old one must not move the offset."""
-
-
-class UnknownConsumerError(Exception):
-    """No such consumer is registered in sync.consumer_offsets."""
 
 
 @dataclass(frozen=True)

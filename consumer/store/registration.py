@@ -13,13 +13,14 @@ import psycopg
 from psycopg.rows import dict_row
 
 from consumer.core.events import Position
-from consumer.store.admin import AdminError, consumer_status, holding_consumer_lock
+from consumer.store.admin import (
+    AdminError,
+    UnknownConsumerError,
+    consumer_status,
+    holding_consumer_lock,
+)
 from consumer.store.db import APPLICATION_PREFIX
 from consumer.store.queries import query
-
-
-class UnknownConsumerError(AdminError):
-    """No consumer of that name is registered."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Deletes run in small batches, each its own short transaction on an autocommit co
 DELETE takes the same table lock as a producer's INSERT (ROW EXCLUSIVE, which does not conflict
 with itself) and locks only old rows no producer touches, so producers never wait for it. Short
 transactions matter for consumers too: a deleting transaction holds an xid, and while it is open
-every consumer's read horizon waits behind it (README, "How no event is ever skipped").
+every consumer's read horizon waits behind it (docs/design.md, the gap-safety proof).
 
 Parked events do not pin outbox rows: sync.dlq_messages keeps its own copy of each entry.
 """
@@ -29,12 +29,11 @@ from psycopg.rows import dict_row
 
 from consumer.core.errors import first_line
 from consumer.core.events import Position
-from consumer.store.admin import AdminError
+from consumer.store.admin import AdminError, UnknownConsumerError
 from consumer.store.queries import query
 from consumer.store.registration import (
     RegisteredConsumer,
     RemovedConsumer,
-    UnknownConsumerError,
     consumer_sessions,
     find_consumer,
     leader_lock_prefix,

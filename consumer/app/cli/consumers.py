@@ -42,12 +42,7 @@ async def run(args: argparse.Namespace) -> int:
             rows = await admin.consumer_status(conn)
             print(to_json(rows) if args.json else consumer_table(rows, CONSUMERS_COLUMNS))
             return 0
-        try:
-            return await _remove(conn, args)
-        except registration.UnknownConsumerError as exc:
-            # A name that is not there is bad input, as a bad option is: exit 2.
-            print(f"serversync: {exc}", file=sys.stderr)
-            return EXIT_CONFIG
+        return await _remove(conn, args)
 
 
 async def _remove(conn: psycopg.AsyncConnection[Any], args: argparse.Namespace) -> int:

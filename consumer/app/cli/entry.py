@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"serversync: configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except admin.UnknownConsumerError as exc:
+        # A name that is not there is bad input, as a bad option is.
+        print(f"serversync: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except (StartupError, admin.AdminError, migrations.MigrationError, DlqError) as exc:
         print(f"serversync: {exc}", file=sys.stderr)
         return EXIT_ERROR

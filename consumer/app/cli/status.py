@@ -95,7 +95,7 @@ async def report(
     rows = await admin.consumer_status(conn, consumer)
     held = await admin.horizon(conn)
     if consumer and not rows:
-        raise admin.AdminError(f"no consumer named {consumer!r}")
+        raise admin.UnknownConsumerError(f"no consumer named {consumer!r}")
     if as_json:
         return to_json({"consumers": rows, "horizon": held})
     lines = [consumer_table(rows, STATUS_COLUMNS)]
