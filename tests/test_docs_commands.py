@@ -30,6 +30,7 @@ import pytest
 from psycopg import sql
 
 from bench.__main__ import _parser as bench_parser
+from consumer.app.cli import build_parser
 from tests.conftest import (
     CliResult,
     cli_env,
@@ -39,11 +40,6 @@ from tests.conftest import (
     start_cli,
     wait_until,
 )
-
-try:
-    from consumer.app.cli import build_parser  # type: ignore[attr-defined, unused-ignore]
-except ImportError:  # until the command line's parser is public
-    from consumer.cli import _parser as build_parser  # type: ignore[import-not-found, import-untyped, no-redef, unused-ignore]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -288,6 +284,6 @@ async def test_the_readme_walkthrough_runs(
     assert "recording-upload" in outputs["consumers list"].stdout
     assert "no dead letters for frontend-sync" in outputs["dlq list"].stdout
     tracked = await fetch_value(
-        empty_dsn, "SELECT count(*) FROM sync.tracked_tables WHERE table_name = 'invoices'"
+        empty_dsn, "SELECT count(*) FROM sync.tracked_tables WHERE table_name::text = 'invoices'"
     )
     assert tracked == 1
