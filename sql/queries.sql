@@ -358,24 +358,18 @@ WHERE consumer = %(consumer)s AND (%(status)s::text IS NULL OR status = %(status
 
 -- name: dlq_list
 -- Newest first; events parked by one commit share created_at, so seq breaks the tie.
--- Every dlq_ query that returns messages gives the payload as its JSON text (payload::text): it
--- is passed on as is, never decoded into Python numbers (a 64-bit integer or a double would not
--- hold every number a json value may carry). So each lists the columns (those of DlqMessage in
--- consumer/store/dlq.py) rather than `*`: a view with the cast would need grants of its own for
--- the consumer and operator roles, and a function giving the row with the cast is called once per
--- column in a RETURNING list.
-SELECT id, consumer, seq, entity_type, entity_id, op, payload::text AS payload, event_created_at,
-       error_code, error_message, retry_count, max_retries, status, created_at, updated_at,
-       last_retry_at
+-- Every dlq_ query that returns messages returns the whole row (`*`, read into DlqMessage in
+-- consumer/store/dlq.py, whose fields are the table's columns). The store reads the json payload
+-- as its text, never decoded into Python numbers (a 64-bit integer or a double would not hold
+-- every number a json value may carry).
+SELECT *
 FROM sync.dlq_messages
 WHERE consumer = %(consumer)s AND (%(status)s::text IS NULL OR status = %(status)s::text)
 ORDER BY created_at DESC, seq DESC
 LIMIT %(limit)s OFFSET %(offset)s;
 
 -- name: dlq_get
-SELECT id, consumer, seq, entity_type, entity_id, op, payload::text AS payload, event_created_at,
-       error_code, error_message, retry_count, max_retries, status, created_at, updated_at,
-       last_retry_at
+SELECT *
 FROM sync.dlq_messages
 WHERE id = %(id)s;
 
@@ -390,26 +384,14 @@ FOR UPDATE;
 UPDATE sync.dlq_messages
 SET status = 'RETRYING', retry_count = retry_count + 1, last_retry_at = now()
 WHERE id = %(id)s
-RETURNING id, consumer, seq, entity_type, entity_id, op, payload::text AS payload,
-          event_created_at, error_code, error_message, retry_count, max_retries, status,
-          created_at, updated_at, last_retry_at;
-
--- name: dlq_entry
--- The parked event's columns for its one-entry batch, in consumer/wire/entries.py's
--- ENTRY_COLUMNS order: the entry is built where read_batch's are, and the payload goes out as
--- the json text it was parked with, byte for byte.
-SELECT seq, op, entity_type, entity_id, payload::text, event_created_at
-FROM sync.dlq_messages
-WHERE id = %(id)s;
+RETURNING *;
 
 -- name: dlq_resolve
 -- Unconditional: the event did reach the receiver, whatever a concurrent retry concluded.
 UPDATE sync.dlq_messages
 SET status = 'RESOLVED'
 WHERE id = %(id)s
-RETURNING id, consumer, seq, entity_type, entity_id, op, payload::text AS payload,
-          event_created_at, error_code, error_message, retry_count, max_retries, status,
-          created_at, updated_at, last_retry_at;
+RETURNING *;
 
 -- name: dlq_fail
 -- Only a message still being retried: a concurrent retry that resolved it wins.
@@ -418,9 +400,7 @@ SET status = CASE WHEN retry_count >= max_retries THEN 'DEAD' ELSE 'PENDING' END
     error_code = %(code)s,
     error_message = %(message)s
 WHERE id = %(id)s AND status = 'RETRYING'
-RETURNING id, consumer, seq, entity_type, entity_id, op, payload::text AS payload,
-          event_created_at, error_code, error_message, retry_count, max_retries, status,
-          created_at, updated_at, last_retry_at;
+RETURNING *;
 
 -- name: dlq_delete
 DELETE FROM sync.dlq_messages WHERE id = %(id)s RETURNING id;

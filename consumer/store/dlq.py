@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import psycopg
 from psycopg.rows import class_row
+from psycopg.types.string import TextBinaryLoader, TextLoader
 from psycopg_pool import AsyncConnectionPool
 
 from consumer.core.events import JSON_TEXT, Batch, DeadLetter, Position, json_members
@@ -253,7 +254,7 @@ class DlqStore:
         async with self._connection() as conn:
             row = await (await conn.execute(query("dlq_count"), params)).fetchone()
             total = int(row[0]) if row else 0
-            async with conn.cursor(row_factory=class_row(DlqMessage)) as cur:
+            async with _message_cursor(conn) as cur:
                 await cur.execute(query("dlq_list"), params)
                 messages = await cur.fetchall()
         return DlqPage(messages, total, page, page_size)
@@ -288,11 +289,16 @@ class DlqStore:
                     f"dead letter {message_id} has used all {max_retries} of its retries"
                 )
             claimed = await self._one(conn, "dlq_claim", {"id": message_id})
-            cur = await conn.execute(query("dlq_entry"), {"id": message_id}, binary=True)
-            entry = await cur.fetchone()
         # The row is locked: it cannot have gone.
         assert claimed is not None
-        assert entry is not None
+        entry = (
+            claimed.seq,
+            claimed.op,
+            claimed.entity_type,
+            claimed.entity_id,
+            claimed.payload,
+            claimed.event_created_at,
+        )
         batch = Batch(
             count=1,
             # Where a consumer would stand after it: irrelevant, retries move no offset.
@@ -360,6 +366,16 @@ class DlqStore:
     async def _one(
         conn: psycopg.AsyncConnection[Any], name: str, params: dict[str, Any]
     ) -> DlqMessage | None:
-        async with conn.cursor(row_factory=class_row(DlqMessage)) as cur:
+        async with _message_cursor(conn) as cur:
             await cur.execute(query(name), params)
             return await cur.fetchone()
+
+
+def _message_cursor(conn: psycopg.AsyncConnection[Any]) -> psycopg.AsyncCursor[DlqMessage]:
+    """A cursor that reads whole sync.dlq_messages rows into DlqMessage, the json payload as its
+    text: passed on byte for byte, never decoded (a number too wide for a 64-bit integer or a
+    double stays as written)."""
+    cur = conn.cursor(row_factory=class_row(DlqMessage))
+    cur.adapters.register_loader("json", TextLoader)
+    cur.adapters.register_loader("json", TextBinaryLoader)
+    return cur
