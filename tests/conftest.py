@@ -157,6 +157,13 @@ def backend_dsn(databases: Databases) -> str:
 
 
 @pytest.fixture
+def private_backend_dsn(private_databases: Databases) -> str:
+    """A fresh backend database on the private cluster: one that tests may stop, restart or
+    break, and where no other process's open transaction holds the read horizon back."""
+    return private_databases.create("backend")
+
+
+@pytest.fixture
 def empty_dsn(databases: Databases) -> str:
     """A brand-new database without any migration (dropped with the session's databases)."""
     return databases.create_empty()

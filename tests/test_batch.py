@@ -9,7 +9,7 @@ from consumer.app.wiring import open_pool
 from consumer.core.events import Batch, Position
 from consumer.store.outbox import OutboxStore
 from tests.conftest import fetch_all
-from tests.helpers_processes import insert_calls
+from tests.support.backend import insert_calls
 
 
 async def test_a_read_batch_carries_the_outbox_rows_in_the_wire_format(backend_dsn: str) -> None:

@@ -30,8 +30,10 @@ from tests.conftest import (
     running_consumer,
     wait_until,
 )
-from tests.test_cli import add_events, assert_ok, assert_one_line_error
-from tests.test_cli import run_cli as run_cli_with
+from tests.support.backend import add_events
+from tests.support.cli import assert_ok, assert_one_line_error
+from tests.support.cli import run_cli as run_cli_with
+from tests.support.waiting import wait_caught_up, wait_delivered_events
 
 CONSUMER = "frontend-sync"
 RETENTION = timedelta(days=30)
@@ -188,16 +190,7 @@ async def test_a_lagging_consumer_keeps_its_rows_until_it_has_caught_up(
 
     # The consumer catches up through the real receiver.
     async with running_consumer(make_settings(backend_dsn, receiver_url)):
-
-        async def passed_all() -> bool:
-            stored = await fetch_all(
-                backend_dsn,
-                "SELECT last_txid::text, last_seq FROM sync.consumer_offsets WHERE consumer = %s",
-                (CONSUMER,),
-            )
-            return Position(int(stored[0][0]), int(stored[0][1])) == rows[-1]
-
-        await wait_until(passed_all, timeout=30, what="the consumer to pass every event")
+        assert await wait_caught_up(backend_dsn, timeout=30) == rows[-1]
 
     second = await run_cli(backend_dsn, "cleanup")
     assert_ok(second)
@@ -477,11 +470,8 @@ async def test_consumers_remove_refuses_while_the_consumer_runs_and_works_once_s
     await add_dead_letter(backend_dsn, CONSUMER, 1, "PENDING")
     await add_dead_letter(backend_dsn, CONSUMER, 2, "DEAD")
     async with running_consumer(make_settings(backend_dsn, receiver_url)) as runtime:
-
-        async def caught_up() -> bool:
-            return runtime.stats.is_leader and runtime.stats.delivered_events == 3
-
-        await wait_until(caught_up, timeout=30, what="the consumer leading and caught up")
+        await wait_delivered_events(runtime, 3, timeout=30, what="the consumer caught up")
+        assert runtime.stats.is_leader
         refused, listed = await asyncio.gather(
             run_cli(backend_dsn, "consumers", "remove", CONSUMER, "--yes"),
             run_cli(backend_dsn, "consumers", "list", "--json"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from consumer.devtools.devdb import Server
 from tests.conftest import cli_env, finish, start_cli
-from tests.test_cli import assert_ok
+from tests.support.cli import assert_ok
 
 
 async def test_the_demo_runs_end_to_end_and_checks_what_it_shows(pg_server: Server) -> None:

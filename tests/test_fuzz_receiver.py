@@ -28,7 +28,7 @@ import yaml
 
 from consumer.wire.signing import MANIFEST_HEADER, RecordingManifest
 from tests.conftest import ROOT
-from tests.helpers_processes import ServersyncProcess, process_env
+from tests.support.processes import ServersyncProcess, process_env
 
 OPENAPI = ROOT / "docs" / "openapi.yaml"
 HOOKS = Path(__file__).resolve()

@@ -23,8 +23,8 @@ from tests.conftest import (
     serve_receiver,
     wait_until,
 )
-from tests.helpers_failures import committed_position
-from tests.helpers_processes import insert_calls, outbox_end
+from tests.support.backend import committed_position, insert_calls
+from tests.support.waiting import wait_caught_up
 
 BATCH = 100
 
@@ -61,16 +61,6 @@ class Gate:
                 self.in_flight -= 1
 
         return gate
-
-
-async def caught_up(dsn: str) -> None:
-    """Wait until the committed offset is at the outbox's last event."""
-    end = await outbox_end(dsn)
-
-    async def there() -> bool:
-        return await committed_position(dsn) == end
-
-    await wait_until(there, timeout=10, what="the offset to reach the end")
 
 
 async def stays(check: Callable[[], Awaitable[bool]], seconds: float) -> bool:
@@ -114,7 +104,7 @@ async def test_the_offset_never_passes_an_older_batch_still_in_flight(
         assert await stays(nothing_committed, 0.5), "the offset passed a batch still in flight"
         assert gate.arrived == 2, "a third batch went out while the window was full"
         release.set()
-        await caught_up(backend_dsn)
+        await wait_caught_up(backend_dsn)
     assert gate.most_in_flight == 2
     assert runtime.stats.delivered_events == 5 * BATCH
     assert runtime.stats.delivered_batches == 5
@@ -163,7 +153,7 @@ async def test_an_older_batch_retried_after_a_newer_one_leaves_the_newest_state(
             )
         ) as runtime,
     ):
-        await caught_up(backend_dsn)
+        await wait_caught_up(backend_dsn)
     first_seq = (await fetch_all(backend_dsn, "SELECT min(seq) FROM sync.events_outbox"))[0][0]
     assert gate.applied == [first_seq + BATCH, first_seq], "batch 2 first, then batch 1's retry"
     assert runtime.stats.retries == 1
@@ -190,7 +180,7 @@ async def test_one_in_flight_is_one_batch_at_a_time(backend_dsn: str, receiver_d
             make_settings(backend_dsn, url, SYNC_BATCH_SIZE=BATCH, SYNC_MAX_IN_FLIGHT=1)
         ),
     ):
-        await caught_up(backend_dsn)
+        await wait_caught_up(backend_dsn)
     assert gate.arrived == 4
     assert gate.most_in_flight == 1
     assert gate.applied == sorted(gate.applied)

@@ -1,8 +1,8 @@
 """Operations: what a sysadmin watches, checked on real `serversync` processes against
 real PostgreSQL over real HTTP on loopback: the Prometheus metrics at /metrics during a run, the
 leader gauge on takeover, the dead-letter gauge and the outcome counters, /readyz when the
-database goes away, the JSON logs (fields, trace ids, masked secrets, levels), trace propagation
-to the receiver over OTLP, and `serversync status --watch`.
+database goes away, and `serversync status --watch`. The logs and the traces over OTLP are in
+tests/test_operations_logs.py.
 
 Gauges are refreshed every 0.2 s (SYNC_METRICS_INTERVAL_SEC); every wait is a wait_until with a
 deadline."""
@@ -21,11 +21,10 @@ import aiohttp
 import pytest
 
 from consumer.app.wiring import dlq_sinks, open_pool
-from consumer.devtools.devdb import PrivateCluster, free_port
+from consumer.devtools.devdb import PrivateCluster
 from consumer.ops.deadletters import DeadLetters
 from consumer.store.dlq import DlqStore
 from tests.conftest import (
-    Databases,
     cli_env,
     make_settings,
     running_consumer,
@@ -33,28 +32,17 @@ from tests.conftest import (
     wait_until,
     waiting_for_notify,
 )
-from tests.helpers_operations import (
+from tests.support.backend import CONSUMER, insert_callers, insert_calls, offsets_row
+from tests.support.metrics import EXPORTED_METRICS
+from tests.support.operations import (
     OPS_ENV,
-    attribute,
     get_json,
-    json_lines,
-    otlp_collector,
-    outcome_receiver,
     scrape,
     wait_metric,
     wait_ready,
 )
-from tests.helpers_processes import (
-    CONSUMER,
-    INGEST_PATH,
-    Processes,
-    insert_callers,
-    insert_calls,
-    offsets_row,
-    outbox_end,
-    serve_fault_receiver,
-)
-from tests.test_deploy import EXPORTED_METRICS
+from tests.support.processes import Processes
+from tests.support.receivers import scripted_receiver
 
 HISTOGRAMS = (
     "serversync_batch_size_events",
@@ -62,8 +50,8 @@ HISTOGRAMS = (
     "serversync_delivery_attempts",
 )
 STANDING_BY = "another process leads; standing by"
-HEX32 = re.compile(r"^[0-9a-f]{32}$")
-HEX16 = re.compile(r"^[0-9a-f]{16}$")
+# What a receiver that is down for a moment answers (with 503).
+DOWN = {"error": {"code": "DOWN", "message": "try later"}}
 
 
 @pytest.fixture
@@ -71,19 +59,6 @@ def procs(tmp_path: Path) -> Iterator[Processes]:
     """Starts serversync processes; kills whatever still runs at the end and prints the logs."""
     with Processes(tmp_path, OPS_ENV) as launched:
         yield launched
-
-
-async def wait_outbox_end(dsn: str) -> tuple[int, int]:
-    """The position of the last event of the outbox (once there is one)."""
-    found: list[tuple[int, int]] = []
-
-    async def present() -> bool:
-        end = await outbox_end(dsn)
-        found[:] = [end] if end is not None else []
-        return end is not None
-
-    await wait_until(present, what="an event in the outbox")
-    return found[0]
 
 
 def ready_body(role: str) -> dict[str, Any]:
@@ -113,7 +88,7 @@ async def test_metrics_follow_a_run_from_backlog_to_caught_up(
     backend_dsn: str, procs: Processes, http: aiohttp.ClientSession
 ) -> None:
     events, batch_size = 40, 10
-    async with serve_fault_receiver() as receiver:
+    async with scripted_receiver() as receiver:
         # One batch in flight: while the first is held, nothing at all is delivered.
         process = procs.consumer(
             backend_dsn, receiver.url, SYNC_BATCH_SIZE=str(batch_size), SYNC_MAX_IN_FLIGHT="1"
@@ -187,7 +162,7 @@ async def test_metrics_follow_a_run_from_backlog_to_caught_up(
 async def test_leader_gauge_and_readiness_flip_on_takeover(
     backend_dsn: str, procs: Processes, http: aiohttp.ClientSession
 ) -> None:
-    async with serve_fault_receiver() as receiver:
+    async with scripted_receiver() as receiver:
         first = procs.consumer(backend_dsn, receiver.url, name="first")
         first_ops = await first.ops_url()
         await wait_metric(http, first_ops, "serversync_leader", 1, consumer=CONSUMER)
@@ -222,9 +197,10 @@ async def test_leader_gauge_and_readiness_flip_on_takeover(
 async def test_dlq_gauge_and_every_outcome_counted(
     backend_dsn: str, procs: Processes, http: aiohttp.ClientSession
 ) -> None:
-    async with outcome_receiver() as receiver:
+    async with scripted_receiver() as receiver:
         receiver.refuse = {"refused"}
         receiver.conflict = {"conflicting"}
+        receiver.fail_status, receiver.fail_body = 503, DOWN
         process = procs.consumer(backend_dsn, receiver.url)
         ops = await process.ops_url()
         await wait_metric(http, ops, "serversync_leader", 1, consumer=CONSUMER)
@@ -259,8 +235,8 @@ async def test_dlq_gauge_and_every_outcome_counted(
         )
         done = await wait_metric(http, ops, "serversync_backlog_events", 0, consumer=CONSUMER)
 
-    assert receiver.answers == [422, 409, 503, 200]
-    assert receiver.accepted == ["retried"]
+    assert receiver.statuses == [422, 409, 503, 200]
+    assert receiver.accepted_callers() == ["retried"]
     assert done.by_label("serversync_events_total", "outcome", consumer=CONSUMER) == {
         "parked": 1,
         "already_processed": 1,
@@ -284,12 +260,6 @@ async def test_dlq_gauge_and_every_outcome_counted(
 # -- /readyz when the database goes away (private cluster only) ----------------------------------
 
 
-@pytest.fixture
-def private_backend_dsn(private_databases: Databases) -> str:
-    """A fresh backend database on the private cluster (which tests may stop)."""
-    return private_databases.create("backend")
-
-
 @pytest.mark.private_cluster
 async def test_readyz_follows_the_database_and_healthz_does_not(
     private_cluster: PrivateCluster,
@@ -298,7 +268,7 @@ async def test_readyz_follows_the_database_and_healthz_does_not(
     http: aiohttp.ClientSession,
 ) -> None:
     dsn = private_backend_dsn
-    async with serve_fault_receiver() as receiver:
+    async with scripted_receiver() as receiver:
         process = procs.consumer(dsn, receiver.url)
         ops = await process.ops_url()
         assert await wait_ready(http, ops, "leader") == ready_body("leader")
@@ -343,227 +313,6 @@ async def test_readyz_follows_the_database_and_healthz_does_not(
         # And it delivers again.
         await insert_calls(dsn, 3)
         await wait_until(lambda: receiver.delivered == {1, 2, 3}, what="3 events delivered")
-
-
-# -- logs ----------------------------------------------------------------------------------------
-
-URL_PASSWORD = "s3cretpw"  # noqa: S105 - a test value
-BEARER = "abcdefSECRET123"
-API_KEY = "sk-SECRET"
-LEAKY_BODY = (
-    '{"error": {"code": "UPSTREAM", "message": "upstream refused: '
-    f'Authorization: Bearer {BEARER} with api_key={API_KEY}"}}}}'
-)
-
-
-async def test_json_logs_carry_batch_fields_and_trace_ids_and_mask_secrets(
-    backend_dsn: str, procs: Processes
-) -> None:
-    async with outcome_receiver() as receiver:
-        receiver.fail_status, receiver.fail_body = 500, LEAKY_BODY
-        receiver.fail_remaining = 1000  # until told otherwise
-        process = procs.consumer(
-            backend_dsn,
-            receiver.with_password("user", URL_PASSWORD),
-            log_format=None,  # the default: JSON
-            SYNC_MAX_ATTEMPTS="0",  # never park: the receiver recovers when the test says so
-        )
-        await process.ops_url()
-        await insert_callers(backend_dsn, ["a", "b", "c"])
-        await process.wait_log("failed (attempt 2)")
-        receiver.fail_remaining = 0
-        await process.wait_log('"outcome":"delivered"')
-        process.terminate()
-        assert await process.wait_exit(10) == 0
-        output = process.log()
-
-    for secret in (URL_PASSWORD, BEARER, API_KEY):
-        assert secret not in output, f"{secret!r} leaked into the logs"
-    entries = json_lines(output)
-    for entry in entries:
-        assert {"ts", "level", "logger", "msg"} <= set(entry), entry
-
-    batches = [e for e in entries if "seq_range" in e]
-    assert len(batches) == 1, batches
-    batch = batches[0]
-    assert batch["level"] == "info" and batch["logger"] == "serversync.runtime", batch
-    assert (batch["consumer"], batch["seq_range"], batch["outcome"]) == (
-        CONSUMER,
-        "1..3",
-        "delivered",
-    )
-    assert (batch["events"], batch["parked"]) == (3, 0)
-    assert isinstance(batch["duration_ms"], float) and batch["duration_ms"] > 0, batch
-    assert HEX32.match(batch["trace_id"]) and HEX16.match(batch["span_id"]), batch
-    assert batch["msg"].startswith("consumer frontend-sync: delivered 3 events seq 1..3 in ")
-
-    failures = [e for e in entries if "failed (attempt" in e["msg"]]
-    assert len(failures) >= 2, failures
-    masked_url = receiver.url.replace("http://", "http://user:***@") + INGEST_PATH
-    for failure in failures:
-        assert failure["level"] == "warning", failure
-        assert f"POST {masked_url} answered HTTP 500" in failure["msg"], failure
-        assert "Bearer ***" in failure["msg"] and "api_key=***" in failure["msg"], failure
-        # Retries happen inside the batch's span: the same trace as the batch's line.
-        assert failure["trace_id"] == batch["trace_id"], failure
-    assert receiver.answers == [500] * len(failures) + [200]
-    # Lines outside any batch carry no trace id.
-    started = [e for e in entries if "health, readiness and metrics on" in e["msg"]]
-    assert len(started) == 1 and "trace_id" not in started[0], started
-
-
-async def test_log_level_warning_hides_the_batch_lines(backend_dsn: str, procs: Processes) -> None:
-    async with outcome_receiver() as receiver:
-        receiver.fail_remaining = 1  # one 503: a warning that must still be logged
-        process = procs.consumer(
-            backend_dsn, receiver.url, log_format=None, SYNC_LOG_LEVEL="WARNING"
-        )
-        await insert_callers(backend_dsn, ["a", "b", "c"])
-        end = await wait_outbox_end(backend_dsn)
-
-        async def committed() -> bool:
-            return (await offsets_row(backend_dsn)).get("position") == end
-
-        await wait_until(committed, interval=0.05, what="the offset past the 3 events")
-        process.terminate()
-        assert await process.wait_exit(10) == 0
-        entries = json_lines(process.log())
-
-    assert receiver.answers == [503, 200]
-    assert [e["level"] for e in entries] == ["warning"], entries
-    assert entries[0]["msg"].startswith(
-        "consumer frontend-sync: delivery of seq 1..3 failed (attempt 1): "
-    ), entries
-
-
-async def test_text_log_format_gives_human_lines(backend_dsn: str, procs: Processes) -> None:
-    async with serve_fault_receiver() as receiver:
-        process = procs.consumer(backend_dsn, receiver.url, log_format="text")
-        await process.ops_url()
-        await insert_calls(backend_dsn, 3)
-        line = await process.wait_log(
-            re.compile(r"^.*delivered 3 events seq 1\.\.3 .*$", re.MULTILINE)
-        )
-        process.terminate()
-        assert await process.wait_exit(10) == 0
-        output = process.log()
-
-    assert re.fullmatch(
-        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO    serversync\.runtime: consumer "
-        r"frontend-sync: delivered 3 events seq 1\.\.3 in \d+\.\d ms \(0 parked\) "
-        r"trace=[0-9a-f]{32}",
-        line,
-    ), line
-    lines = output.splitlines()
-    assert lines, output
-    for text in lines:
-        assert not text.lstrip().startswith("{"), text
-    assert any(" INFO    serversync: consumer frontend-sync starting " in t for t in lines), lines
-
-
-# -- traces and metrics over OTLP ----------------------------------------------------------------
-
-OTLP_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "500"}
-SPAN_KIND_SERVER, SPAN_KIND_CLIENT = 2, 3
-
-
-async def test_a_batch_and_the_receivers_work_on_it_share_one_trace_over_otlp(
-    backend_dsn: str, receiver_dsn: str, procs: Processes, tmp_path: Path
-) -> None:
-    async with otlp_collector() as collector:
-        otlp = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.url, **OTLP_ENV}
-        port = free_port()
-        ingest = procs.start(
-            "ingest-server",
-            ["ingest-server", "--insecure"],
-            FRONTEND_DATABASE_URL=receiver_dsn,
-            INGEST_PORT=str(port),
-            RECORDINGS_STORE_DIR=str(tmp_path / "recordings"),
-            **otlp,
-        )
-        await ingest.wait_log("ingest-server listening on")
-        consumer = procs.consumer(backend_dsn, f"http://127.0.0.1:{port}", **otlp)
-        await consumer.ops_url()
-        await insert_calls(backend_dsn, 3)
-
-        def exported() -> bool:
-            batch = collector.named("frontend-sync deliver batch", "serversync-frontend-sync")
-            served = collector.named(f"POST {INGEST_PATH}", "serversync-ingest")
-            return bool(batch and served and "serversync.events" in metric_names())
-
-        def metric_names() -> set[str]:
-            return collector.metrics.get("serversync-frontend-sync", set())
-
-        await wait_until(
-            exported, timeout=10, what="the batch's spans and metrics at the collector"
-        )
-
-    [batch] = collector.named("frontend-sync deliver batch")
-    assert batch.service == "serversync-frontend-sync"
-    assert batch.parent_id == "", "a batch's span is the root of its trace"
-    assert batch.attribute("serversync.consumer") == CONSUMER
-    assert batch.attribute("serversync.batch.count") == 3
-    assert batch.attribute("serversync.batch.min_seq") == 1
-    assert batch.attribute("serversync.batch.max_seq") == 3
-    assert batch.attribute("serversync.outcome") == "delivered"
-
-    clients = [s for s in collector.spans if s.parent_id == batch.span_id]
-    assert len(clients) == 1, [(s.service, s.span.name) for s in clients]
-    [client] = clients
-    assert client.service == "serversync-frontend-sync"
-    assert client.span.kind == SPAN_KIND_CLIENT
-    assert client.span.name == f"POST {INGEST_PATH}"
-    assert client.trace_id == batch.trace_id
-    assert client.attribute("http.request.method") == "POST"
-    assert client.attribute("http.response.status_code") == 200
-
-    [server] = collector.named(f"POST {INGEST_PATH}", "serversync-ingest")
-    assert server.span.kind == SPAN_KIND_SERVER
-    assert server.trace_id == batch.trace_id, "the receiver's span is in another trace"
-    assert server.parent_id == client.span_id
-    assert server.attribute("http.response.status_code") == 200
-    assert server.attribute("url.path") == INGEST_PATH
-
-    assert {s.service for s in collector.spans} == {"serversync-frontend-sync", "serversync-ingest"}
-    assert "serversync.events" in collector.metrics["serversync-frontend-sync"]
-    assert "serversync.batch.duration" in collector.metrics["serversync-frontend-sync"]
-
-
-async def test_exported_spans_carry_no_secrets(backend_dsn: str, procs: Processes) -> None:
-    async with otlp_collector() as collector, outcome_receiver() as receiver:
-        receiver.fail_status, receiver.fail_body = 500, LEAKY_BODY
-        receiver.fail_remaining = 1
-        process = procs.consumer(
-            backend_dsn,
-            receiver.with_password("user", URL_PASSWORD),
-            OTEL_EXPORTER_OTLP_ENDPOINT=collector.url,
-            **OTLP_ENV,
-        )
-        await process.ops_url()
-        await insert_callers(backend_dsn, ["a", "b"])
-        await wait_until(
-            lambda: len(collector.named("frontend-sync deliver batch")) == 1,
-            timeout=10,
-            what="the batch's span at the collector",
-        )
-
-    assert receiver.answers == [500, 200]
-    clients = [s for s in collector.spans if s.span.kind == SPAN_KIND_CLIENT]
-    assert len(clients) == 2, clients
-    for collected in collector.spans:
-        exported = collected.span.SerializeToString()
-        for secret in (URL_PASSWORD, BEARER, API_KEY):
-            assert secret.encode() not in exported, f"{secret!r} in {collected.span}"
-    # Masked, not dropped: the failed call still says where it went and what came back.
-    masked_url = receiver.url.replace("http://", "http://user:***@") + INGEST_PATH
-    assert [c.attribute("url.full") for c in clients] == [masked_url, masked_url]
-    failed = min(clients, key=lambda c: c.span.start_time_unix_nano)
-    assert failed.attribute("http.response.status_code") == 500
-    [exception] = [e for e in failed.span.events if e.name == "exception"]
-    message = attribute(exception.attributes, "exception.message")
-    assert message.startswith(f"POST {masked_url} answered HTTP 500: "), message
-    assert "Bearer ***" in message and "api_key=***" in message, message
-    assert masked_url in failed.span.status.message, failed.span.status
 
 
 # -- serversync status ---------------------------------------------------------------------------
@@ -619,7 +368,7 @@ class WatchOutput:
 async def park_two_pending_and_one_dead(dsn: str) -> None:
     """Park three events of frontend-sync (two others delivered); retry one parked event until it
     is DEAD (one retry allowed)."""
-    async with outcome_receiver() as receiver:
+    async with scripted_receiver() as receiver:
         receiver.refuse = {"bad-1", "bad-2", "bad-3"}
         settings = make_settings(dsn, receiver.url, SYNC_DLQ_MAX_RETRIES=1)
         await insert_callers(dsn, ["good-1", "bad-1", "good-2", "bad-2", "bad-3"])

@@ -13,13 +13,12 @@ import decimal
 import json
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import psycopg
 import pytest
-from aiohttp import web
 
 from consumer.app.wiring import consumer_runtime, open_pool, serve_ops_http
 from consumer.core.events import DeadLetter, Position, json_array_elements
@@ -33,20 +32,13 @@ from tests.conftest import (
     fetch_value,
     make_settings,
     running_consumer,
-    serve_app,
     serve_receiver,
-    wait_until,
 )
-from tests.helpers_failures import (
-    Attempt,
-    Reply,
-    committed_position,
-    dlq,
-    seqs_by_caller,
-    serve_scripted_receiver,
-)
-from tests.helpers_processes import insert_calls, outbox_end
-from tests.test_cli import assert_ok, run_many
+from tests.support.backend import committed_position, insert_calls, seqs_by_caller
+from tests.support.cli import assert_ok, run_many
+from tests.support.dlq import dead_letters
+from tests.support.receivers import Attempt, Reply, ScriptedReceiver, scripted_receiver
+from tests.support.waiting import wait_caught_up
 
 CONSUMER = "frontend-sync"
 TOKEN = "admin-token-0123456789abcdef"  # noqa: S105 - a test token
@@ -73,38 +65,18 @@ def exact(text: str | bytes) -> Any:
     return json.loads(text, parse_float=decimal.Decimal)
 
 
-# -- a receiver that never decodes what it is sent -------------------------------------------------
-
-
-@dataclass
-class RawReceiver:
-    """Keeps every request body as bytes; 422 for a body holding any of `refuse`, else accepted.
-
-    Nothing is parsed: orjson refuses 1.8e308 and lone surrogates, so a receiver decoding the
-    body would answer 500 for the very entries under test."""
-
-    url: str = ""
-    refuse: set[bytes] = field(default_factory=set)
-    accepted: list[bytes] = field(default_factory=list)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        """POST /api/ingest/sync."""
-        body = await request.read()
-        if any(marker in body for marker in self.refuse):
-            error = {"code": "REFUSED", "message": "this entry is refused"}
-            return web.json_response({"error": error}, status=422)
-        self.accepted.append(body)
-        return web.json_response({"ok": True})
+# -- a receiver that takes every number and every character ----------------------------------------
 
 
 @contextlib.asynccontextmanager
-async def raw_receiver() -> AsyncIterator[RawReceiver]:
-    """A RawReceiver on a free loopback port."""
-    receiver = RawReceiver()
-    app = web.Application()
-    app.router.add_post(INGEST, receiver.handle)
-    async with serve_app(app, shutdown_timeout=1.0) as url:
-        receiver.url = url
+async def raw_receiver(*refuse_markers: bytes) -> AsyncIterator[ScriptedReceiver]:
+    """A scripted receiver answering 422 to a body holding any of `refuse_markers` (matched in
+    the bytes as sent), accepting the rest; `bodies` keeps each accepted body as it came.
+
+    It reads bodies with Python's json, which takes 1.8e308 and lone surrogates: a receiver
+    decoding with orjson would answer 500 for the very entries under test."""
+    async with scripted_receiver() as receiver:
+        receiver.refuse_markers |= set(refuse_markers)
         yield receiver
 
 
@@ -135,16 +107,6 @@ async def outbox_docs(dsn: str) -> dict[str, tuple[int, str]]:
         "WHERE entity_type = 'doc' ORDER BY seq",
     )
     return {entity_id: (seq, text) for entity_id, seq, text in rows}
-
-
-async def wait_caught_up(dsn: str) -> None:
-    """Until the committed offset is at the last event of the outbox."""
-
-    async def caught_up() -> bool:
-        end = await outbox_end(dsn)
-        return end is not None and await committed_position(dsn) == end
-
-    await wait_until(caught_up, timeout=15, what="the offset to pass every event")
 
 
 def wire_entry(entity_id: str, seq: int, payload: str) -> str:
@@ -179,11 +141,11 @@ async def test_rows_jsonb_refuses_are_parked_as_written_and_delivery_goes_on(
         serve_receiver(receiver_dsn) as url,
         running_consumer(make_settings(backend_dsn, url)) as runtime,
     ):
-        await wait_caught_up(backend_dsn)
+        await wait_caught_up(backend_dsn, timeout=15)
         assert runtime.stats.parked_events == 2
         # The offset moved past them: what comes later is delivered.
         await insert_docs(backend_dsn, (5, '{"later": 5}'))
-        await wait_caught_up(backend_dsn)
+        await wait_caught_up(backend_dsn, timeout=15)
     delivered = await fetch_all(
         receiver_dsn, "SELECT entity_id FROM ingest.entities WHERE entity_type = 'doc' ORDER BY 1"
     )
@@ -216,9 +178,9 @@ async def test_rows_jsonb_refuses_are_parked_as_written_and_delivery_goes_on(
         assert '"note": "nul \\u0000 inside"' in shown.stdout
         assert exact(as_json.stdout)["payload"] == exact(outbox["3"][1])
         assert nul.stdout == f"{ids['2']}: delivered; RESOLVED\n"
-        assert len(rx.accepted) == 2
+        assert len(rx.bodies) == 2
         for entity_id in ("2", "3"):
-            (body,) = [b for b in rx.accepted if f'"entityId":"{entity_id}"'.encode() in b]
+            (body,) = [b for b in rx.bodies if f'"entityId":"{entity_id}"'.encode() in b]
             assert f',"payload":{outbox[entity_id][1]},'.encode() in body
             assert body.count(b'"entityType"') == 1
 
@@ -233,13 +195,13 @@ async def test_a_refusal_holding_nul_and_newlines_parks_with_a_clean_error(
         return Reply(422, answer) if "r-2" in attempt.callers else None
 
     async with (
-        serve_scripted_receiver(script) as rx,
+        scripted_receiver(script) as rx,
         running_consumer(make_settings(backend_dsn, rx.url)),
     ):
-        await wait_caught_up(backend_dsn)
+        await wait_caught_up(backend_dsn, timeout=15)
     seqs = await seqs_by_caller(backend_dsn)
     assert sorted(set(rx.accepted)) == [seqs["r-1"], seqs["r-3"]]
-    (parked,) = await dlq(backend_dsn)
+    (parked,) = await dead_letters(backend_dsn)
     assert (parked.caller, parked.error_code, parked.status) == ("r-2", "HTTP_422", "PENDING")
     assert not UNPRINTABLE.search(parked.error_message), parked.error_message
     assert "forged: log line" in parked.error_message
@@ -362,7 +324,7 @@ async def test_a_consumer_delivers_numbers_of_any_size_to_the_receiver_exactly(
     await track_docs(backend_dsn)
     await insert_docs(backend_dsn, (1, NUMBERS_DOC))
     async with running_consumer(make_settings(backend_dsn, receiver_url)) as runtime:
-        await wait_caught_up(backend_dsn)
+        await wait_caught_up(backend_dsn, timeout=15)
         assert runtime.stats.parked_events == 0
     rows = await fetch_all(
         receiver_dsn,
@@ -380,7 +342,7 @@ class ParkedNumbers:
     """A parked doc event whose payload holds NUMBERS_DOC, and the receiver that refused it."""
 
     dsn: str
-    receiver: RawReceiver
+    receiver: ScriptedReceiver
     id: str
     # The payload's text as the dead-letter queue holds it, and as the outbox holds it.
     stored: str
@@ -392,10 +354,9 @@ async def parked_numbers(backend_dsn: str) -> AsyncIterator[ParkedNumbers]:
     """NUMBERS_DOC parked by a consumer whose receiver refused it; a neighbour got through."""
     await track_docs(backend_dsn)
     await insert_docs(backend_dsn, (1, NUMBERS_DOC), (2, '{"fine": 2}'))
-    async with raw_receiver() as rx:
-        rx.refuse.add(b"1.8e308")
+    async with raw_receiver(b"1.8e308") as rx:
         async with running_consumer(make_settings(backend_dsn, rx.url)):
-            await wait_caught_up(backend_dsn)
+            await wait_caught_up(backend_dsn, timeout=15)
         ((message_id, stored),) = await fetch_all(
             backend_dsn, "SELECT id::text, payload::text FROM sync.dlq_messages"
         )
@@ -420,7 +381,7 @@ async def test_the_admin_api_answers_payloads_with_numbers_of_any_size(
             async with http.get(url + path) as response:
                 assert response.content_type == "application/json"
                 answers.append((response.status, await response.read()))
-        p.receiver.refuse.clear()
+        p.receiver.refuse_markers.clear()
         async with http.post(f"{url}{message}/retry") as response:
             retried = (response.status, json.loads(await response.read()))
     (listed_status, listed), (shown_status, shown) = answers
@@ -432,7 +393,7 @@ async def test_the_admin_api_answers_payloads_with_numbers_of_any_size(
     assert first["payload"]["doc"] == NUMBERS
     assert exact(shown)["payload"]["doc"] == NUMBERS
     assert (retried[0], retried[1]["status"]) == (200, "RESOLVED"), retried
-    assert f',"payload":{p.stored},'.encode() in p.receiver.accepted[-1]
+    assert f',"payload":{p.stored},'.encode() in p.receiver.bodies[-1]
     # Parked byte for byte: no number was rewritten on the way in either.
     assert p.stored == p.outbox
 
@@ -466,7 +427,7 @@ async def test_cli_dlq_list_and_show_print_numbers_of_any_size(
     assert exact(payload) == exact(p.stored)
 
 
-# -- nesting deeper than Python's decoder goes ---------------------------------------------------
+# -- nesting deeper than Python's decoder goes -----------------------------------------------------
 
 # PostgreSQL's json takes this; Python's json module (and orjson, at 1024) recurse no deeper than
 # about a thousand levels.
@@ -485,7 +446,7 @@ async def test_a_payload_nested_too_deep_to_decode_is_parked_and_delivery_goes_o
         serve_receiver(receiver_dsn) as url,
         running_consumer(make_settings(backend_dsn, url)) as runtime,
     ):
-        await wait_caught_up(backend_dsn)
+        await wait_caught_up(backend_dsn, timeout=15)
         assert runtime.stats.parked_events == 1
     delivered = await fetch_all(
         receiver_dsn, "SELECT entity_id FROM ingest.entities WHERE entity_type = 'doc' ORDER BY 1"

@@ -27,7 +27,7 @@ from consumer.core.events import Position
 from consumer.devtools.devdb import PrivateCluster
 from consumer.store.outbox import FencedError, OutboxStore
 from consumer.store.queries import query
-from tests.conftest import WAITING_COUNT, Databases, fetch_all, fetch_value, waiting_for_notify
+from tests.conftest import WAITING_COUNT, fetch_all, fetch_value, waiting_for_notify
 from tests.support.backend import (
     CONSUMER,
     insert_calls,
@@ -513,12 +513,6 @@ async def test_sigterm_abandons_a_batch_the_receiver_never_answers(
 
 
 # -- PostgreSQL restart (private cluster only) ---------------------------------------------------
-
-
-@pytest.fixture
-def private_backend_dsn(private_databases: Databases) -> str:
-    """A fresh backend database on the private cluster (which tests may restart)."""
-    return private_databases.create("backend")
 
 
 @pytest.mark.private_cluster

@@ -7,16 +7,12 @@ test_recording_receiver_guards.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import io
 import os
-import random
 import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,224 +26,54 @@ from consumer.receiver.uploads import RecordingFiles
 from consumer.wire.signing import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
-    RecordingManifest,
-    manifest_headers,
 )
-from tests.conftest import Databases, serve_receiver, wait_until
-from tests.helpers_recordings import SECRET, wav_bytes
+from tests.conftest import Databases, wait_until
+from tests.support.recordings import SECRET, wav_bytes
+from tests.support.uploads import (
+    ANSWER_DEADLINE,
+    FILES,
+    NOTHING,
+    UPLOAD,
+    Part,
+    Upload,
+    UploadReceiver,
+    assert_error,
+    audio_offset,
+    held_back,
+    kept,
+    multipart,
+    noise,
+    post,
+    sha256,
+    stored,
+    upload,
+    upload_receiver,
+)
 
-UPLOAD = "/api/ingest/recording-file"
-FILES = "/storage/recordings"
 # The validating receiver's audio limit: small, so that oversized uploads are cheap to send.
 LIMIT = 256 * 1024
-# A deadline for answers that must come without the rest of the body (never reached when the
-# receiver behaves; a receiver waiting for the body would hang the test until then).
-ANSWER_DEADLINE = 10.0
-
-# (name, value, content type, filename): one multipart part. Text parts are str.
-Part = tuple[str, str | bytes, str, str | None]
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def noise(size: int, seed: int = 7) -> bytes:
-    """`size` reproducible pseudo-random bytes: a file where any misplaced byte shows."""
-    return random.Random(seed).randbytes(size)
-
-
-@dataclass(frozen=True)
-class Upload:
-    """One recording upload: its ids and the two files."""
-
-    call_log_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    recording_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    audio: bytes = field(default_factory=wav_bytes)
-    meta: bytes = b'{"callId": "c", "codec": "pcm_s16le", "durationSec": 0.2}'
-
-    def parts(self) -> list[Part]:
-        """The four parts, as the recording-upload consumer sends them."""
-        return [
-            ("callLogId", self.call_log_id, "text/plain", None),
-            ("recordingId", self.recording_id, "text/plain", None),
-            ("audio", self.audio, "application/octet-stream", "mixed.wav"),
-            ("meta", self.meta, "application/json", "meta.json"),
-        ]
-
-    def manifest(self, *, audio: bytes | None = None) -> RecordingManifest:
-        """What the sender declares: the ids, and each file's size and SHA-256 (the audio's of
-        `audio` if given)."""
-        declared = self.audio if audio is None else audio
-        return RecordingManifest(
-            self.call_log_id,
-            self.recording_id,
-            len(declared),
-            _sha256(declared),
-            len(self.meta),
-            _sha256(self.meta),
-        )
-
-    def signed(
-        self, secret: str = SECRET, *, audio: bytes | None = None, now: float | None = None
-    ) -> dict[str, str]:
-        """The manifest header (of `audio` if given) and the signature headers over it."""
-        return manifest_headers(secret, self.manifest(audio=audio), now=now)
-
-    @property
-    def where(self) -> str:
-        """The audio's path in the store, relative to it."""
-        return f"{self.call_log_id}/{self.recording_id}.wav"
-
-
-async def multipart(parts: list[Part]) -> tuple[bytes, str]:
-    """A real multipart/form-data body built by aiohttp, and its Content-Type (with boundary)."""
-    form = aiohttp.FormData(default_to_multipart=True)
-    for name, value, content_type, filename in parts:
-        # Bytes as a file object: what aiohttp expects for a file (large bytes make it warn).
-        data = io.BytesIO(value) if isinstance(value, bytes) else value
-        form.add_field(name, data, content_type=content_type, filename=filename)
-    writer = form()
-    assert isinstance(writer, aiohttp.MultipartWriter)
-    return await writer.as_bytes(), writer.content_type
-
-
-def audio_offset(body: bytes, upload: Upload) -> int:
-    """Where the audio's bytes start in a multipart body."""
-    offset = body.index(upload.audio)
-    assert offset > 0
-    return offset
-
-
-async def held_back(head: bytes, release: asyncio.Event, rest: bytes = b"") -> AsyncIterator[bytes]:
-    """A body sent as `head`, then (only once `release` is set) `rest`: aiohttp sends an async
-    generator chunked, unless a Content-Length header is given."""
-    yield head
-    await release.wait()
-    for start in range(0, len(rest), 64 * 1024):
-        yield rest[start : start + 64 * 1024]
-
-
-async def post(
-    session: aiohttp.ClientSession,
-    url: str,
-    data: Any,
-    *,
-    content_type: str,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    """POST an upload; the status and the JSON body (which must be JSON)."""
-    async with session.post(
-        url + UPLOAD, data=data, headers={"Content-Type": content_type, **(headers or {})}
-    ) as response:
-        assert response.content_type == "application/json", await response.text()
-        reply: dict[str, Any] = orjson.loads(await response.read())
-        return response.status, reply
-
-
-async def upload(
-    session: aiohttp.ClientSession,
-    url: str,
-    recording: Upload,
-    *,
-    headers: dict[str, str] | None = None,
-    parts: list[Part] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    """POST one recording as a multipart body with a Content-Length."""
-    body, content_type = await multipart(recording.parts() if parts is None else parts)
-    # A BytesIO of known size: sent with a Content-Length.
-    return await post(session, url, io.BytesIO(body), content_type=content_type, headers=headers)
-
-
-def kept(root: Path) -> list[str]:
-    """Everything under the store (files and folders, .incoming's contents too), sorted."""
-    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*"))
-
-
-NOTHING = [".incoming"]
-
-
-def stored(recording: Upload) -> list[str]:
-    """What the store holds after keeping exactly `recording`."""
-    folder = recording.call_log_id
-    return sorted(
-        [
-            ".incoming",
-            folder,
-            f"{folder}/{recording.recording_id}.meta.json",
-            f"{folder}/{recording.recording_id}.wav",
-        ]
-    )
-
-
-def assert_error(
-    got: tuple[int, dict[str, Any]], status: int, code: str, field: str | None = None
-) -> None:
-    """A JSON error answer {"error": {"code", "message", "field"?}} with these values."""
-    got_status, reply = got
-    assert got_status == status, reply
-    assert list(reply) == ["error"], reply
-    error = reply["error"]
-    assert error["code"] == code, reply
-    assert isinstance(error["message"], str) and error["message"], reply
-    if field is None:
-        assert "field" not in error, reply
-    else:
-        assert error["field"] == field, reply
-
-
-@dataclass(frozen=True)
-class Receiver:
-    """A running receiver that keeps recordings: its base URL and its store directory."""
-
-    url: str
-    root: Path
-    files: RecordingFiles
-
-    @property
-    def incoming(self) -> Path:
-        """Where uploads stream to before they are renamed into place."""
-        return self.root / ".incoming"
-
-    def streaming(self) -> int:
-        """How many uploads are being written to .incoming right now."""
-        return len(list(self.incoming.glob("audio-*.part")))
-
-
-@contextlib.asynccontextmanager
-async def receiver(
-    receiver_dsn: str,
-    root: Path,
-    *,
-    secret: str | None,
-    max_bytes: int = 64 * 1024 * 1024,
-    **options: Any,
-) -> AsyncIterator[Receiver]:
-    """The reference receiver keeping recordings in `root` (signed when `secret` is given);
-    `options` go to RecordingFiles (its bounds)."""
-    files = RecordingFiles(root, max_bytes=max_bytes, **options)
-    async with serve_receiver(receiver_dsn, recordings=files, shared_secret=secret) as url:
-        yield Receiver(url, root, files)
 
 
 @pytest.fixture
-async def signed(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[Receiver]:
+async def signed(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[UploadReceiver]:
     """A receiver that requires signed uploads (SECRET)."""
-    async with receiver(receiver_dsn, tmp_path / "store", secret=SECRET) as running:
+    async with upload_receiver(receiver_dsn, tmp_path / "store", secret=SECRET) as running:
         yield running
 
 
 @pytest.fixture
-async def unsigned(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[Receiver]:
+async def unsigned(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[UploadReceiver]:
     """A receiver without a shared secret (ingest-server --insecure)."""
-    async with receiver(receiver_dsn, tmp_path / "store", secret=None) as running:
+    async with upload_receiver(receiver_dsn, tmp_path / "store", secret=None) as running:
         yield running
 
 
 # -- a good upload, and how it is served -----------------------------------------------------
 
 
-async def test_a_signed_upload_is_kept_atomically_and_served_with_range(signed: Receiver) -> None:
+async def test_a_signed_upload_is_kept_atomically_and_served_with_range(
+    signed: UploadReceiver,
+) -> None:
     recording = Upload(audio=wav_bytes(seconds=0.5))
     size = len(recording.audio)
     assert size > 1000
@@ -260,7 +86,7 @@ async def test_a_signed_upload_is_kept_atomically_and_served_with_range(signed: 
             "callLogId": recording.call_log_id,
             "recordingId": recording.recording_id,
             "size": size,
-            "sha256": _sha256(recording.audio),
+            "sha256": sha256(recording.audio),
             "created": True,
         }
         # The store holds exactly the audio and the meta beside it, nothing in .incoming.
@@ -305,7 +131,7 @@ async def test_a_signed_upload_is_kept_atomically_and_served_with_range(signed: 
 
 
 async def test_conditional_requests_and_if_range_answer_304_412_200_or_206(
-    signed: Receiver,
+    signed: UploadReceiver,
 ) -> None:
     recording = Upload(audio=wav_bytes(seconds=0.5))
     size = len(recording.audio)
@@ -362,7 +188,7 @@ async def test_conditional_requests_and_if_range_answer_304_412_200_or_206(
 
 
 async def test_unknown_and_malformed_paths_are_404_and_never_leave_the_store(
-    signed: Receiver, tmp_path: Path
+    signed: UploadReceiver, tmp_path: Path
 ) -> None:
     recording = Upload()
     secret_bytes = b"RIFF-outside-the-store-" + noise(64)
@@ -416,7 +242,9 @@ async def test_unknown_and_malformed_paths_are_404_and_never_leave_the_store(
 # -- idempotency by recordingId --------------------------------------------------------------
 
 
-async def test_the_same_upload_twice_is_one_file_and_the_same_file_url(signed: Receiver) -> None:
+async def test_the_same_upload_twice_is_one_file_and_the_same_file_url(
+    signed: UploadReceiver,
+) -> None:
     recording = Upload()
     async with aiohttp.ClientSession() as session:
         first = await upload(session, signed.url, recording, headers=recording.signed())
@@ -429,7 +257,7 @@ async def test_the_same_upload_twice_is_one_file_and_the_same_file_url(signed: R
 
 
 async def test_two_concurrent_uploads_of_one_recording_leave_one_correct_file(
-    signed: Receiver,
+    signed: UploadReceiver,
 ) -> None:
     # One upload of a recording is received at a time: the second, sent while the first is
     # being written, is answered 503 (tried again), and the first is kept whole.
@@ -462,7 +290,7 @@ async def test_two_concurrent_uploads_of_one_recording_leave_one_correct_file(
         assert reply["fileUrl"] == f"{signed.url}{FILES}/{recording.where}"
         assert (reply["size"], reply["sha256"], reply["created"]) == (
             len(recording.audio),
-            _sha256(recording.audio),
+            sha256(recording.audio),
             True,
         )
         assert kept(signed.root) == stored(recording)
@@ -483,15 +311,15 @@ def shared_receiver_dsn(databases: Databases) -> str:
 @pytest.fixture(scope="module")
 async def shared_receiver(
     shared_receiver_dsn: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Receiver]:
+) -> AsyncIterator[UploadReceiver]:
     """One unsigned receiver with a small audio limit, for the many uploads it must refuse."""
     root = tmp_path_factory.mktemp("validating") / "store"
-    async with receiver(shared_receiver_dsn, root, secret=None, max_bytes=LIMIT) as running:
+    async with upload_receiver(shared_receiver_dsn, root, secret=None, max_bytes=LIMIT) as running:
         yield running
 
 
 @pytest.fixture
-async def validating(shared_receiver: Receiver) -> AsyncIterator[Receiver]:
+async def validating(shared_receiver: UploadReceiver) -> AsyncIterator[UploadReceiver]:
     """The shared receiver, its store emptied after each test so that one failure stays one."""
     yield shared_receiver
     for path in shared_receiver.root.iterdir():
@@ -575,7 +403,7 @@ BAD_PARTS = [
 
 @pytest.mark.parametrize(("parts", "status", "code", "field"), BAD_PARTS)
 async def test_a_bad_part_is_refused_naming_it_and_nothing_is_kept(
-    validating: Receiver,
+    validating: UploadReceiver,
     parts: Callable[[Upload], list[Part]],
     status: int,
     code: str,
@@ -629,7 +457,7 @@ async def test_a_bad_part_is_refused_naming_it_and_nothing_is_kept(
     ],
 )
 async def test_a_body_that_is_not_a_multipart_upload_gets_a_json_error(
-    validating: Receiver, body: bytes, content_type: str, status: int, code: str
+    validating: UploadReceiver, body: bytes, content_type: str, status: int, code: str
 ) -> None:
     async with aiohttp.ClientSession() as session:
         got = await post(session, validating.url, body, content_type=content_type)
@@ -656,7 +484,7 @@ def _after(needle: Callable[[Upload], bytes], extra: int = 0) -> Callable[[bytes
     ],
 )
 async def test_a_truncated_upload_is_400_and_nothing_is_kept(
-    validating: Receiver, cut: Callable[[bytes, Upload], int], field: str | None
+    validating: UploadReceiver, cut: Callable[[bytes, Upload], int], field: str | None
 ) -> None:
     recording = Upload(audio=noise(100_000))
     body, content_type = await multipart(recording.parts())
@@ -669,7 +497,7 @@ async def test_a_truncated_upload_is_400_and_nothing_is_kept(
 
 
 async def test_audio_up_to_the_limit_is_kept_and_one_byte_more_is_413(
-    validating: Receiver,
+    validating: UploadReceiver,
 ) -> None:
     at_limit = Upload(audio=noise(LIMIT, seed=1))
     over = Upload(audio=noise(LIMIT + 1, seed=2))
@@ -684,7 +512,7 @@ async def test_audio_up_to_the_limit_is_kept_and_one_byte_more_is_413(
 
 
 async def test_a_declared_oversized_upload_is_413_before_the_body_is_read(
-    validating: Receiver,
+    validating: UploadReceiver,
 ) -> None:
     recording = Upload(audio=noise(LIMIT + 2 * 1024 * 1024))
     body, content_type = await multipart(recording.parts())
@@ -702,7 +530,7 @@ async def test_a_declared_oversized_upload_is_413_before_the_body_is_read(
 
 
 async def test_a_chunked_upload_over_the_limit_is_cut_off_while_streaming(
-    validating: Receiver,
+    validating: UploadReceiver,
 ) -> None:
     recording = Upload(audio=noise(4 * LIMIT))
     body, content_type = await multipart(recording.parts())
@@ -722,7 +550,7 @@ async def test_a_chunked_upload_over_the_limit_is_cut_off_while_streaming(
     assert kept(validating.root) == NOTHING
 
 
-async def test_a_chunked_upload_within_the_limit_is_kept(validating: Receiver) -> None:
+async def test_a_chunked_upload_within_the_limit_is_kept(validating: UploadReceiver) -> None:
     recording = Upload(audio=noise(LIMIT - 10))
     body, content_type = await multipart(recording.parts())
     go = asyncio.Event()
@@ -734,7 +562,7 @@ async def test_a_chunked_upload_within_the_limit_is_kept(validating: Receiver) -
             held_back(body[:100], go, body[100:]),
             content_type=content_type,
         )
-    assert (status, reply["created"], reply["sha256"]) == (200, True, _sha256(recording.audio))
+    assert (status, reply["created"], reply["sha256"]) == (200, True, sha256(recording.audio))
     assert (validating.root / recording.where).read_bytes() == recording.audio
 
 
@@ -757,7 +585,7 @@ async def test_a_chunked_upload_within_the_limit_is_kept(validating: Receiver) -
     ],
 )
 async def test_an_unsigned_or_stale_upload_is_401_before_the_body_is_read(
-    signed: Receiver, headers: Callable[[Upload], dict[str, str]]
+    signed: UploadReceiver, headers: Callable[[Upload], dict[str, str]]
 ) -> None:
     recording = Upload(audio=noise(1024 * 1024))
     body, content_type = await multipart(recording.parts())
@@ -814,7 +642,7 @@ def _mangled(up: Upload) -> tuple[Upload, dict[str, str]]:
     ],
 )
 async def test_a_signature_over_something_else_is_401_and_nothing_is_kept(
-    signed: Receiver,
+    signed: UploadReceiver,
     tamper: Callable[[Upload], tuple[Upload, dict[str, str]]],
     field: str | None,
 ) -> None:
@@ -825,7 +653,7 @@ async def test_a_signature_over_something_else_is_401_and_nothing_is_kept(
     assert kept(signed.root) == NOTHING
 
 
-async def test_ids_are_signed_as_sent_and_kept_in_canonical_form(signed: Receiver) -> None:
+async def test_ids_are_signed_as_sent_and_kept_in_canonical_form(signed: UploadReceiver) -> None:
     canonical = Upload()
     sent = replace(
         canonical,
@@ -843,7 +671,7 @@ async def test_ids_are_signed_as_sent_and_kept_in_canonical_form(signed: Receive
     assert kept(signed.root) == stored(canonical)
 
 
-async def test_without_a_secret_unsigned_uploads_are_kept(unsigned: Receiver) -> None:
+async def test_without_a_secret_unsigned_uploads_are_kept(unsigned: UploadReceiver) -> None:
     recording = Upload()
     async with aiohttp.ClientSession() as session:
         status, reply = await upload(session, unsigned.url, recording)
@@ -856,7 +684,7 @@ async def test_without_a_secret_unsigned_uploads_are_kept(unsigned: Receiver) ->
 # -- a client that goes away -----------------------------------------------------------------
 
 
-async def test_a_client_that_disconnects_mid_upload_leaves_nothing(signed: Receiver) -> None:
+async def test_a_client_that_disconnects_mid_upload_leaves_nothing(signed: UploadReceiver) -> None:
     recording = Upload(audio=noise(2 * 1024 * 1024))
     body, content_type = await multipart(recording.parts())
     half = audio_offset(body, recording) + len(recording.audio) // 2

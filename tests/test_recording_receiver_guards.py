@@ -36,15 +36,14 @@ from consumer.wire.signing import (
     signature,
 )
 from tests.conftest import wait_until
-from tests.helpers_recordings import SECRET
-from tests.test_recording_receiver import (
+from tests.support.recordings import SECRET
+from tests.support.uploads import (
     ANSWER_DEADLINE,
     FILES,
     NOTHING,
     UPLOAD,
-    Receiver,
     Upload,
-    _sha256,
+    UploadReceiver,
     assert_error,
     audio_offset,
     held_back,
@@ -52,9 +51,10 @@ from tests.test_recording_receiver import (
     multipart,
     noise,
     post,
-    receiver,
+    sha256,
     stored,
     upload,
+    upload_receiver,
 )
 
 MIB = 1024 * 1024
@@ -63,16 +63,20 @@ LIMIT = 256 * 1024
 
 
 @pytest.fixture
-async def signed(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[Receiver]:
+async def signed(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[UploadReceiver]:
     """A receiver that requires signed uploads (SECRET), audio up to LIMIT."""
-    async with receiver(receiver_dsn, tmp_path / "store", secret=SECRET, max_bytes=LIMIT) as up:
+    async with upload_receiver(
+        receiver_dsn, tmp_path / "store", secret=SECRET, max_bytes=LIMIT
+    ) as up:
         yield up
 
 
 @pytest.fixture
-async def unsigned(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[Receiver]:
+async def unsigned(receiver_dsn: str, tmp_path: Path) -> AsyncIterator[UploadReceiver]:
     """A receiver without a shared secret (ingest-server --insecure), audio up to LIMIT."""
-    async with receiver(receiver_dsn, tmp_path / "store", secret=None, max_bytes=LIMIT) as up:
+    async with upload_receiver(
+        receiver_dsn, tmp_path / "store", secret=None, max_bytes=LIMIT
+    ) as up:
         yield up
 
 
@@ -88,7 +92,7 @@ async def answer(
 
 
 async def stopped_after(
-    receiver_: Receiver, recording: Upload, headers: dict[str, str], cut: int
+    receiver_: UploadReceiver, recording: Upload, headers: dict[str, str], cut: int
 ) -> tuple[int, dict[str, Any]]:
     """POST `recording` whose body stops after `cut` bytes and never goes on: the answer must
     come from what was sent so far (within ANSWER_DEADLINE)."""
@@ -104,7 +108,7 @@ async def stopped_after(
         )
 
 
-async def head_only(receiver_: Receiver, recording: Upload, headers: dict[str, str]) -> Any:
+async def head_only(receiver_: UploadReceiver, recording: Upload, headers: dict[str, str]) -> Any:
     """POST `recording` with its headers and no more of the body than the first 1000 bytes of
     its audio: an answer that needs no body."""
     body, _ = await multipart(recording.parts())
@@ -140,7 +144,7 @@ def _manifest_unsigned(up: Upload) -> dict[str, str]:
 def _digests_signed_without_a_manifest(up: Upload) -> dict[str, str]:
     # What a sender before the manifest signed: the ids and digests, known only after the body.
     message = recording_file_message(
-        up.call_log_id, up.recording_id, _sha256(up.audio), _sha256(up.meta)
+        up.call_log_id, up.recording_id, sha256(up.audio), sha256(up.meta)
     )
     return sign(SECRET, message)
 
@@ -168,7 +172,7 @@ def _timestamp_with_a_sign(up: Upload) -> dict[str, str]:
     ],
 )
 async def test_a_forged_upload_is_401_before_its_body_is_read(
-    signed: Receiver, forge: Callable[[Upload], dict[str, str]]
+    signed: UploadReceiver, forge: Callable[[Upload], dict[str, str]]
 ) -> None:
     recording = Upload(audio=noise(200_000))
     got = await head_only(signed, recording, forge(recording))
@@ -190,7 +194,7 @@ def _meta_over_a_mib(up: Upload) -> dict[str, str]:
 
 
 def _empty_meta(up: Upload) -> dict[str, str]:
-    return manifest_headers(SECRET, replace(up.manifest(), meta_size=0, meta_sha256=_sha256(b"")))
+    return manifest_headers(SECRET, replace(up.manifest(), meta_size=0, meta_sha256=sha256(b"")))
 
 
 def _call_not_a_uuid(up: Upload) -> dict[str, str]:
@@ -216,7 +220,7 @@ def _malformed(up: Upload) -> dict[str, str]:
     ],
 )
 async def test_a_signed_manifest_the_receiver_cannot_take_is_refused_before_the_body(
-    signed: Receiver,
+    signed: UploadReceiver,
     declare: Callable[[Upload], dict[str, str]],
     status: int,
     code: str,
@@ -230,7 +234,7 @@ async def test_a_signed_manifest_the_receiver_cannot_take_is_refused_before_the_
 
 
 async def test_audio_longer_than_its_manifest_is_refused_at_the_first_bytes_beyond(
-    signed: Receiver,
+    signed: UploadReceiver,
 ) -> None:
     declared = noise(100_000)
     recording = Upload(audio=declared + noise(4 * CHUNK_BYTES, 8))
@@ -264,7 +268,7 @@ def _other_meta_same_size(up: Upload) -> tuple[Upload, dict[str, str]]:
     ],
 )
 async def test_parts_that_are_not_the_manifests_are_401_naming_the_part(
-    signed: Receiver, tamper: Callable[[Upload], tuple[Upload, dict[str, str]]], field: str
+    signed: UploadReceiver, tamper: Callable[[Upload], tuple[Upload, dict[str, str]]], field: str
 ) -> None:
     sent, headers = tamper(Upload(audio=noise(100_000)))
     async with aiohttp.ClientSession() as client:
@@ -274,7 +278,7 @@ async def test_parts_that_are_not_the_manifests_are_401_naming_the_part(
 
 
 async def test_an_unsigned_receiver_needs_no_manifest_but_holds_the_parts_to_one_sent(
-    unsigned: Receiver,
+    unsigned: UploadReceiver,
 ) -> None:
     plain, declared, wrong = Upload(), Upload(), Upload(audio=noise(1000))
     async with aiohttp.ClientSession() as client:
@@ -293,7 +297,7 @@ async def test_an_unsigned_receiver_needs_no_manifest_but_holds_the_parts_to_one
     assert kept(unsigned.root) == sorted({*stored(plain), *stored(declared)})
 
 
-async def test_a_compressed_upload_is_415_before_its_body_is_read(signed: Receiver) -> None:
+async def test_a_compressed_upload_is_415_before_its_body_is_read(signed: UploadReceiver) -> None:
     recording = Upload(audio=noise(200_000))
     body, content_type = await multipart(recording.parts())
     never = asyncio.Event()
@@ -317,7 +321,9 @@ async def test_a_compressed_upload_is_415_before_its_body_is_read(signed: Receiv
     assert kept(signed.root) == stored(recording)
 
 
-async def test_expect_100_continue_is_answered_with_the_refusal_instead(signed: Receiver) -> None:
+async def test_expect_100_continue_is_answered_with_the_refusal_instead(
+    signed: UploadReceiver,
+) -> None:
     recording = Upload()
     body, content_type = await multipart(recording.parts())
     url = URL(signed.url)
@@ -367,7 +373,7 @@ async def test_expect_100_continue_is_answered_with_the_refusal_instead(signed: 
 async def test_uploads_over_the_limit_at_once_are_503_with_retry_after(
     receiver_dsn: str, tmp_path: Path
 ) -> None:
-    async with receiver(
+    async with upload_receiver(
         receiver_dsn,
         tmp_path / "store",
         secret=SECRET,
@@ -420,7 +426,7 @@ async def test_uploads_over_the_limit_at_once_are_503_with_retry_after(
 async def test_a_body_that_stops_arriving_is_abandoned_after_the_idle_timeout(
     receiver_dsn: str, tmp_path: Path
 ) -> None:
-    async with receiver(
+    async with upload_receiver(
         receiver_dsn, tmp_path / "store", secret=SECRET, body_idle_timeout_sec=0.5
     ) as idle:
         recording = Upload(audio=noise(MIB))
@@ -452,7 +458,7 @@ async def test_a_slow_body_that_keeps_arriving_is_not_cut_off(
 ) -> None:
     # The overall deadline (test_a_trickling_upload_is_cut_off_by_its_overall_deadline) set far
     # off: at 1 KiB/s, over a minute.
-    async with receiver(
+    async with upload_receiver(
         receiver_dsn,
         tmp_path / "store",
         secret=SECRET,
@@ -483,7 +489,7 @@ async def test_a_trickling_upload_is_cut_off_by_its_overall_deadline(
     receiver_dsn: str, tmp_path: Path
 ) -> None:
     # 64 KiB of audio at 64 KiB/s at least, after a 2 s idle allowance: about 3 s in all.
-    async with receiver(
+    async with upload_receiver(
         receiver_dsn,
         tmp_path / "store",
         secret=SECRET,
@@ -515,7 +521,7 @@ async def test_a_trickling_upload_is_cut_off_by_its_overall_deadline(
 async def test_a_steady_upload_at_the_minimum_rate_is_not_cut_off(
     receiver_dsn: str, tmp_path: Path
 ) -> None:
-    async with receiver(
+    async with upload_receiver(
         receiver_dsn,
         tmp_path / "store",
         secret=SECRET,
@@ -551,7 +557,7 @@ def test_the_receivers_minimum_rate_is_at_most_the_consumers() -> None:
 async def test_a_second_upload_of_a_recording_being_received_is_503_and_the_first_is_kept(
     receiver_dsn: str, tmp_path: Path
 ) -> None:
-    async with receiver(
+    async with upload_receiver(
         receiver_dsn, tmp_path / "store", secret=SECRET, busy_retry_after_sec=3
     ) as once:
         recording, other = Upload(audio=noise(MIB)), Upload(audio=noise(MIB, 2))
@@ -604,7 +610,7 @@ async def test_an_unsigned_upload_of_a_recording_being_received_is_503_once_its_
     receiver_dsn: str, tmp_path: Path
 ) -> None:
     # Without a manifest the recordingId is known from its part only.
-    async with receiver(receiver_dsn, tmp_path / "store", secret=None) as unsigned:
+    async with upload_receiver(receiver_dsn, tmp_path / "store", secret=None) as unsigned:
         recording = Upload(audio=noise(MIB))
         body, content_type = await multipart(recording.parts())
         half = audio_offset(body, recording) + MIB // 2
@@ -645,7 +651,7 @@ async def test_an_upload_that_would_leave_less_free_space_than_the_minimum_is_50
     store = tmp_path / "store"
     store.mkdir()
     free = shutil.disk_usage(store).free
-    async with receiver(
+    async with upload_receiver(
         receiver_dsn,
         store,
         secret=SECRET,
@@ -729,7 +735,7 @@ async def status_of(client: aiohttp.ClientSession, method: str, url: str) -> tup
 
 
 async def test_a_symlinked_call_folder_is_neither_written_through_nor_served(
-    signed: Receiver, tmp_path: Path
+    signed: UploadReceiver, tmp_path: Path
 ) -> None:
     recording = Upload()
     outside = tmp_path / "outside"
@@ -752,7 +758,7 @@ async def test_a_symlinked_call_folder_is_neither_written_through_nor_served(
 
 
 async def test_a_symlinked_recording_is_not_served_and_an_upload_replaces_the_link_itself(
-    signed: Receiver, tmp_path: Path
+    signed: UploadReceiver, tmp_path: Path
 ) -> None:
     recording = Upload()
     outside = tmp_path / "outside"
@@ -783,7 +789,7 @@ async def test_a_symlinked_recording_is_not_served_and_an_upload_replaces_the_li
     assert meta.read_bytes() == recording.meta
 
 
-async def test_a_recording_that_is_not_a_regular_file_is_404(signed: Receiver) -> None:
+async def test_a_recording_that_is_not_a_regular_file_is_404(signed: UploadReceiver) -> None:
     recording = Upload()
     folder = signed.root / recording.call_log_id
     folder.mkdir()

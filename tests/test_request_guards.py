@@ -30,11 +30,11 @@ from consumer.receiver.app import BodyReads, build_app
 from consumer.receiver.store import EntityStore
 from consumer.wire import signing
 from tests.conftest import fetch_value, make_settings, serve_app, wait_until
-from tests.helpers_failures import INGEST_PATH, CountingStore, serve_reference_receiver
+from tests.support.receivers import INGEST_PATH, CountingStore, serve_reference_receiver
 
 SECRET = "guards-test-secret-0123456789abcdef"  # noqa: S105 - a test secret
 TOKEN = "admin-token-0123456789abcdef"  # noqa: S105 - a test token
-# The test receivers take bodies up to 1 MiB (tests/helpers_failures.py, tests/conftest.py).
+# The test receivers take bodies up to 1 MiB (tests/support/receivers.py, tests/conftest.py).
 LIMIT = 1024 * 1024
 ANSWER_DEADLINE = 10.0
 # A frontend for a consumer that never delivers in these tests.
@@ -136,7 +136,7 @@ def assert_json_error(answer: Answer, status: int, code: str) -> dict[str, Any]:
 
 
 @dataclass
-class Receiver:
+class ReferenceReceiver:
     """The reference receiver on loopback, its store (which counts what it applied) and the
     log records of its process."""
 
@@ -161,19 +161,23 @@ def logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]
 
 
 @pytest.fixture
-async def signed(receiver_dsn: str, logs: pytest.LogCaptureFixture) -> AsyncIterator[Receiver]:
+async def signed(
+    receiver_dsn: str, logs: pytest.LogCaptureFixture
+) -> AsyncIterator[ReferenceReceiver]:
     """A receiver that wants every request signed with SECRET."""
     async with serve_reference_receiver(receiver_dsn, shared_secret=SECRET) as (url, store):
         logs.clear()
-        yield Receiver(url, store, receiver_dsn, logs)
+        yield ReferenceReceiver(url, store, receiver_dsn, logs)
 
 
 @pytest.fixture
-async def unsigned(receiver_dsn: str, logs: pytest.LogCaptureFixture) -> AsyncIterator[Receiver]:
+async def unsigned(
+    receiver_dsn: str, logs: pytest.LogCaptureFixture
+) -> AsyncIterator[ReferenceReceiver]:
     """A receiver without a secret (`ingest-server --insecure`)."""
     async with serve_reference_receiver(receiver_dsn) as (url, store):
         logs.clear()
-        yield Receiver(url, store, receiver_dsn, logs)
+        yield ReferenceReceiver(url, store, receiver_dsn, logs)
 
 
 # -- the headers are checked before the body is read ---------------------------------------------
@@ -188,7 +192,7 @@ async def unsigned(receiver_dsn: str, logs: pytest.LogCaptureFixture) -> AsyncIt
     ],
 )
 async def test_an_unsigned_request_is_refused_before_its_body_is_sent(
-    signed: Receiver, sent: str
+    signed: ReferenceReceiver, sent: str
 ) -> None:
     """The body declared (900 KB, under the limit) never comes, or comes only in part: the 401
     can only be an answer to the headers. With `Expect: 100-continue` the client is not even
@@ -208,7 +212,7 @@ async def test_an_unsigned_request_is_refused_before_its_body_is_sent(
 
 
 async def test_a_stale_request_is_refused_while_its_body_is_still_being_sent(
-    signed: Receiver,
+    signed: ReferenceReceiver,
 ) -> None:
     """aiohttp's client, a chunked body that stops after its first chunk: the 401 arrives."""
     release = asyncio.Event()  # never set: the rest of the body is never sent
@@ -234,7 +238,9 @@ async def test_a_stale_request_is_refused_while_its_body_is_still_being_sent(
     assert signed.store.applied == []
 
 
-async def test_a_body_declared_over_the_limit_is_413_before_it_is_sent(signed: Receiver) -> None:
+async def test_a_body_declared_over_the_limit_is_413_before_it_is_sent(
+    signed: ReferenceReceiver,
+) -> None:
     for expect in ({}, {"Expect": "100-continue"}):
         headers: dict[str, str | bytes] = {
             "Content-Type": "application/json",
@@ -257,7 +263,9 @@ def bomb() -> bytes:
     "encoding",
     ["gzip", "x-gzip", "deflate", "br", "zstd", "gzip, identity", "GZIP", "compress"],
 )
-async def test_a_compressed_body_is_refused_with_415(signed: Receiver, encoding: str) -> None:
+async def test_a_compressed_body_is_refused_with_415(
+    signed: ReferenceReceiver, encoding: str
+) -> None:
     """Compressed, 15 KB on the wire were 15 MB in memory, past the Content-Length check. The
     415 comes from the headers (the body is not sent at all here), names the encoding the
     receiver takes, and is answered the same to a client that sends the whole bomb."""
@@ -294,7 +302,9 @@ async def test_a_gzip_bomb_is_refused_with_415_and_nothing_applied(
 
 
 @pytest.mark.parametrize("encoding", ["identity", ""])
-async def test_an_identity_content_encoding_is_accepted(signed: Receiver, encoding: str) -> None:
+async def test_an_identity_content_encoding_is_accepted(
+    signed: ReferenceReceiver, encoding: str
+) -> None:
     body = body_of("plain")
     async with (
         aiohttp.ClientSession() as http,
@@ -312,7 +322,9 @@ async def test_an_identity_content_encoding_is_accepted(signed: Receiver, encodi
     assert signed.store.applied == [1]
 
 
-async def test_a_signed_request_that_expects_100_continue_is_applied(signed: Receiver) -> None:
+async def test_a_signed_request_that_expects_100_continue_is_applied(
+    signed: ReferenceReceiver,
+) -> None:
     """Headers that pass get 100 Continue, then the body is read and applied as usual."""
     body = body_of("asked-first")
     async with (
@@ -336,7 +348,7 @@ async def test_a_signed_request_that_expects_100_continue_is_applied(signed: Rec
     assert_json_error(answer, 417, "HTTP_417")
 
 
-async def test_deflate_on_a_route_without_a_secret_is_415_too(unsigned: Receiver) -> None:
+async def test_deflate_on_a_route_without_a_secret_is_415_too(unsigned: ReferenceReceiver) -> None:
     compressed = zlib.compress(body_of("deflated"))
     headers: dict[str, str | bytes] = {
         "Content-Type": "application/json",
@@ -387,7 +399,7 @@ def signature_cases() -> list[Any]:
 
 @pytest.mark.parametrize(("timestamp", "signature"), signature_cases())
 async def test_a_malformed_signature_header_is_401_and_one_line(
-    signed: Receiver, timestamp: bytes, signature: bytes
+    signed: ReferenceReceiver, timestamp: bytes, signature: bytes
 ) -> None:
     body = body_of("x")
     headers: dict[str, str | bytes] = {
@@ -446,7 +458,7 @@ FORGED = "2026-01-01 00:00:00,000 ERROR   serversync: forged"
     ],
 )
 async def test_control_characters_in_a_request_make_exactly_one_log_line(
-    signed: Receiver, target: str | bytes
+    signed: ReferenceReceiver, target: str | bytes
 ) -> None:
     """A %0a in the path forged a line of its own in the text log. Whatever the request line
     holds, percent-encoded or raw, the receiver answers in one log line with no control
@@ -490,7 +502,7 @@ def test_the_text_formatter_keeps_a_record_on_one_line() -> None:
 # -- 405 names the allowed methods ---------------------------------------------------------------
 
 
-async def test_the_receivers_405_carries_allow(unsigned: Receiver) -> None:
+async def test_the_receivers_405_carries_allow(unsigned: ReferenceReceiver) -> None:
     async with aiohttp.ClientSession() as http:
         for method, path, allowed in [
             ("GET", INGEST_PATH, {"POST"}),

@@ -13,12 +13,11 @@ import pytest
 from consumer.devtools.devdb import free_port
 from consumer.wire import signing
 from tests.conftest import cli_env, fetch_value, finish, start_cli, wait_until
-from tests.helpers_failures import reaped
-from tests.helpers_processes import insert_calls
-from tests.support.backend import consuming
+from tests.support.backend import consuming, insert_calls
+from tests.support.cli import assert_one_line_error, run_many
+from tests.support.processes import reaped
 from tests.support.receivers import post_signed, wire_body
 from tests.support.waiting import wait_caught_up
-from tests.test_cli import assert_one_line_error, run_many
 
 OLD = "the-old-secret-0123456789abcdef-0123"
 NEW = "the-new-secret-fedcba9876543210-4567"

@@ -16,8 +16,9 @@ from psycopg import sql
 
 from consumer.store import migrations
 from consumer.store.queries import sql_dir
-from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer, wait_until
+from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer
 from tests.support.backend import execute, insert_calls
+from tests.support.waiting import wait_delivered_events
 
 OUTBOX = "SELECT o.txid::text, o.seq, o.op, o.entity_id, o.payload::text FROM sync.events_outbox o"
 RECORDS = "SELECT version, name FROM {}.schema_migrations WHERE component = %s ORDER BY version"
@@ -57,11 +58,7 @@ async def _record_as_prerelease(dsn: str, component: str, names: tuple[str, ...]
 
 async def _delivered_through(receiver_url: str, dsn: str, total: int) -> None:
     async with running_consumer(make_settings(dsn, receiver_url)) as runtime:
-
-        async def caught_up() -> bool:
-            return runtime.stats.delivered_events == total
-
-        await wait_until(caught_up, what=f"{total} events delivered")
+        await wait_delivered_events(runtime, total)
 
 
 async def test_a_pre_release_database_is_adopted_as_the_baseline_and_keeps_every_event(

@@ -1,11 +1,12 @@
 """The backend database as the tests write and read it: call logs written as a producer would,
-the outbox's end, a consumer's committed offset and leader, and a frontend-sync consumer running
-in this event loop."""
+the outbox's rows and end, a consumer's committed offset and leader, and a frontend-sync consumer
+running in this event loop."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -13,7 +14,7 @@ from psycopg import sql
 
 from consumer.core.events import Position
 from consumer.runtime.worker import ConsumerRuntime
-from tests.conftest import fetch_all, make_settings, running_consumer
+from tests.conftest import fetch_all, fetch_value, make_settings, running_consumer, wait_until
 
 CONSUMER = "frontend-sync"
 # The in-process consumers' retry delays: short, so that retries play out in well under a second.
@@ -55,6 +56,20 @@ async def insert_calls(dsn: str, count: int, *, tag: str = "c", transactions: in
             done += n
 
 
+async def insert_call(dsn: str, caller: str) -> str:
+    """One committed call_logs row (one upsert event, one NOTIFY); returns its id."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        cur = await conn.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) VALUES (%s, '03') "
+            "RETURNING id::text",
+            (caller,),
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    return str(row[0])
+
+
 async def insert_callers(dsn: str, callers: list[str]) -> None:
     """One call log per caller number, all in one transaction (one batch for the consumer)."""
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
@@ -66,7 +81,55 @@ async def insert_callers(dsn: str, callers: list[str]) -> None:
         )
 
 
+async def add_events(dsn: str, n: int, tag: str = "e", *, wait_final: bool = True) -> None:
+    """`n` call logs, each inserted in its own transaction (one event each, caller numbers TAG0,
+    TAG1, ...); unless `wait_final` is False, returns once every event is final (no older
+    transaction anywhere on the shared server is still open)."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        for i in range(n):
+            await conn.execute(
+                "INSERT INTO call_logs (caller_number, callee_number) VALUES (%s, 'x')",
+                (f"{tag}{i}",),
+            )
+
+    async def final() -> bool:
+        held = await fetch_value(
+            dsn,
+            "SELECT count(*) FROM sync.events_outbox "
+            "WHERE txid >= pg_snapshot_xmin(pg_current_snapshot())",
+        )
+        return bool(held == 0)
+
+    # Offset resets and cleanups only move over final events: other tests' open transactions
+    # must not skew their counts.
+    if wait_final:
+        await wait_until(final, timeout=30, what="the new events to become final")
+
+
 # -- the outbox ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """One outbox row: where it stands in delivery order, and what it is about."""
+
+    txid: int
+    seq: int
+    entity_type: str
+    entity_id: str
+    op: str
+
+
+async def outbox_in_delivery_order(dsn: str) -> list[OutboxRow]:
+    """Every outbox row, in the documented delivery order (txid, seq)."""
+    rows = await fetch_all(
+        dsn,
+        # Qualified: a bare `txid` in ORDER BY would be the text output column.
+        "SELECT o.txid::text, o.seq, o.entity_type, o.entity_id, o.op "
+        "FROM sync.events_outbox o ORDER BY o.txid, o.seq",
+    )
+    return [OutboxRow(int(t), s, et, eid, op) for t, s, et, eid, op in rows]
 
 
 async def outbox_seqs(dsn: str) -> list[int]:

@@ -35,3 +35,10 @@ def assert_one_line_error(result: CliResult, code: int, *fragments: str) -> str:
         assert fragment in line, line
     assert result.stdout == ""
     return line
+
+
+def table(stdout: str) -> tuple[list[str], dict[str, list[str]]]:
+    """A CLI table: its header and its rows by first column (cells split on whitespace)."""
+    lines = stdout.strip().splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[1:] if line.strip()}
+    return lines[0].split(), rows

@@ -1,25 +1,33 @@
 """Recording uploads sent by hand, as the recording-upload consumer sends them: one Upload (its
-ids and two files), its multipart body, signed manifest headers, and a body held back halfway."""
+ids and two files), its multipart body, signed manifest headers, and a body held back halfway;
+and the reference receiver keeping them (UploadReceiver), what its store holds and its errors."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import random
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
+from consumer.receiver.uploads import RecordingFiles
 from consumer.wire.signing import RecordingManifest, manifest_headers
+from tests.conftest import serve_receiver
 from tests.support.recordings import SECRET, wav_bytes
 
 UPLOAD = "/api/ingest/recording-file"
 FILES = "/storage/recordings"
+# A deadline for answers that must come without the rest of the body (never reached when the
+# receiver behaves; a receiver waiting for the body would hang the test until then).
+ANSWER_DEADLINE = 10.0
 
 # (name, value, content type, filename): one multipart part. Text parts are str.
 Part = tuple[str, str | bytes, str, str | None]
@@ -135,3 +143,78 @@ async def upload(
     body, content_type = await multipart(recording.parts() if parts is None else parts)
     # A BytesIO of known size: sent with a Content-Length.
     return await post(session, url, io.BytesIO(body), content_type=content_type, headers=headers)
+
+
+# -- the receiver's store ----------------------------------------------------------------------
+
+
+def kept(root: Path) -> list[str]:
+    """Everything under the store (files and folders, .incoming's contents too), sorted."""
+    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*"))
+
+
+NOTHING = [".incoming"]
+
+
+def stored(recording: Upload) -> list[str]:
+    """What the store holds after keeping exactly `recording`."""
+    folder = recording.call_log_id
+    return sorted(
+        [
+            ".incoming",
+            folder,
+            f"{folder}/{recording.recording_id}.meta.json",
+            f"{folder}/{recording.recording_id}.wav",
+        ]
+    )
+
+
+def assert_error(
+    got: tuple[int, dict[str, Any]], status: int, code: str, field: str | None = None
+) -> None:
+    """A JSON error answer {"error": {"code", "message", "field"?}} with these values."""
+    got_status, reply = got
+    assert got_status == status, reply
+    assert list(reply) == ["error"], reply
+    error = reply["error"]
+    assert error["code"] == code, reply
+    assert isinstance(error["message"], str) and error["message"], reply
+    if field is None:
+        assert "field" not in error, reply
+    else:
+        assert error["field"] == field, reply
+
+
+@dataclass(frozen=True)
+class UploadReceiver:
+    """The reference receiver keeping recordings, without an upload log in front of it (see
+    tests.support.recordings.RecordingReceiver for one): its base URL and its store directory."""
+
+    url: str
+    root: Path
+    files: RecordingFiles
+
+    @property
+    def incoming(self) -> Path:
+        """Where uploads stream to before they are renamed into place."""
+        return self.root / ".incoming"
+
+    def streaming(self) -> int:
+        """How many uploads are being written to .incoming right now."""
+        return len(list(self.incoming.glob("audio-*.part")))
+
+
+@contextlib.asynccontextmanager
+async def upload_receiver(
+    receiver_dsn: str,
+    root: Path,
+    *,
+    secret: str | None,
+    max_bytes: int = 64 * 1024 * 1024,
+    **options: Any,
+) -> AsyncIterator[UploadReceiver]:
+    """The reference receiver keeping recordings in `root` (signed when `secret` is given);
+    `options` go to RecordingFiles (its bounds)."""
+    files = RecordingFiles(root, max_bytes=max_bytes, **options)
+    async with serve_receiver(receiver_dsn, recordings=files, shared_secret=secret) as url:
+        yield UploadReceiver(url, root, files)

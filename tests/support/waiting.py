@@ -1,6 +1,6 @@
 """Waiting for delivery, each wait a condition with a deadline (wait_until, from conftest):
 a consumer's offset at the end of the outbox, every event at a fake receiver, or a number of
-events delivered by an in-process consumer."""
+events delivered by (or the position reached by) an in-process consumer."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ __all__ = [
     "wait_all_delivered",
     "wait_caught_up",
     "wait_delivered_events",
+    "wait_position",
     "wait_until",
 ]
 
@@ -66,4 +67,13 @@ async def wait_delivered_events(
         lambda: runtime.stats.delivered_events == count,
         timeout=timeout,
         what=what or f"{count} events delivered",
+    )
+
+
+async def wait_position(runtime: ConsumerRuntime, end: Position, *, timeout: float = 20.0) -> None:
+    """Wait until the in-process consumer's own position (what it committed last) is `end`."""
+    await wait_until(
+        lambda: runtime.stats.position == end,
+        timeout=timeout,
+        what=f"the consumer to reach {end} (stats: {runtime.stats})",
     )

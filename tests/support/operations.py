@@ -1,6 +1,6 @@
-"""Helpers for the operations tests: the environment of their `serversync` subprocesses, a
-Prometheus scraper, a receiver scripted by payload, and an OTLP/HTTP collector (real aiohttp
-servers on loopback)."""
+"""What the operations tests share: the environment of their `serversync` subprocesses, JSON log
+lines, a Prometheus scraper, waits on /metrics and /readyz, and an OTLP/HTTP collector (a real
+aiohttp server on loopback)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from tests.conftest import serve_app, wait_until
-from tests.helpers_processes import FAST_ENV, INGEST_PATH
+from tests.support.processes import FAST_ENV
 
 # Labels the OpenTelemetry Prometheus exporter adds to every serversync series.
 SCOPE_LABELS = frozenset({"otel_scope_name", "otel_scope_version", "otel_scope_schema_url"})
@@ -157,58 +157,6 @@ async def wait_ready(
         raise AssertionError(f"{exc}; last answer {answers}") from None
     body: dict[str, Any] = answers[0][1]
     return body
-
-
-# -- a receiver scripted by payload --------------------------------------------------------------
-
-
-@dataclass
-class OutcomeReceiver:
-    """A receiver on loopback deciding by each entry's payload caller_number: 422 for a request
-    holding a refused one, 409 for one holding a conflicting one; the next `fail_remaining`
-    other requests get `fail_status` with `fail_body`; the rest are accepted (200)."""
-
-    url: str = ""
-    refuse: set[str] = field(default_factory=set)
-    conflict: set[str] = field(default_factory=set)
-    fail_remaining: int = 0
-    fail_status: int = 503
-    fail_body: str = '{"error": {"code": "DOWN", "message": "try later"}}'
-    # The status of every answer, in order.
-    answers: list[int] = field(default_factory=list)
-    accepted: list[str] = field(default_factory=list)
-
-    def with_password(self, user: str, password: str) -> str:
-        """The base URL with user:password in it."""
-        return self.url.replace("http://", f"http://{user}:{password}@", 1)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        """POST /api/ingest/sync."""
-        entries: list[dict[str, Any]] = orjson.loads(await request.read())["entries"]
-        callers = [str(e["payload"]["caller_number"]) for e in entries]
-        if set(callers) & self.refuse:
-            status, body = 422, '{"error": {"code": "REFUSED", "message": "refused"}}'
-        elif set(callers) & self.conflict:
-            status, body = 409, '{"error": {"code": "ALREADY", "message": "had it"}}'
-        elif self.fail_remaining > 0:
-            self.fail_remaining -= 1
-            status, body = self.fail_status, self.fail_body
-        else:
-            self.accepted += callers
-            status, body = 200, '{"ok": true}'
-        self.answers.append(status)
-        return web.Response(status=status, text=body, content_type="application/json")
-
-
-@contextlib.asynccontextmanager
-async def outcome_receiver() -> AsyncIterator[OutcomeReceiver]:
-    """An OutcomeReceiver on a free loopback port."""
-    receiver = OutcomeReceiver()
-    app = web.Application()
-    app.router.add_post(INGEST_PATH, receiver.handle)
-    async with serve_app(app, shutdown_timeout=1.0) as url:
-        receiver.url = url
-        yield receiver
 
 
 # -- an OTLP/HTTP collector ----------------------------------------------------------------------

@@ -1,0 +1,367 @@
+"""Gap safety of the read and of the wake-ups: a naive `seq > last_seq` reader skips what the
+gap-safe read delivers; an open transaction holds the horizon back only as long as it stays open
+and the re-check delivers soon after it ends; a lost NOTIFY or none at all loses nothing; offset
+resets order txids as numbers. The concurrent producers are in tests/test_gap_safety.py.
+
+The backend databases of this file live on the private cluster: the read horizon is cluster-wide,
+so an open transaction of any other process on a shared server would hold these consumers back
+and make the timing assertions meaningless.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from consumer.app.wiring import open_pool
+from consumer.core.events import Batch, Position
+from consumer.devtools.devdb import PrivateCluster
+from consumer.store.admin import plan_reset
+from consumer.store.outbox import OutboxStore
+from consumer.store.queries import query
+from tests.conftest import fetch_all, fetch_value, wait_until, waiting_for_notify
+from tests.support.backend import CONSUMER, insert_call, outbox_in_delivery_order
+from tests.support.runtime import RecordingSink, listener_of, parked, running_runtime
+
+# -- a naive `seq > last_seq` reader skips; ours does not ---------------------------------------
+
+
+async def read_when_ready(store: OutboxStore, after: Position) -> Batch:
+    """read_batch until it returns a batch (another session may hold the horizon briefly)."""
+    found: list[Batch] = []
+
+    async def ready() -> bool:
+        result = await store.read_batch(after, 100)
+        if result.batch is not None:
+            found.append(result.batch)
+        return bool(found)
+
+    await wait_until(ready, what=f"a batch after {after}")
+    return found[0]
+
+
+async def test_naive_seq_reader_skips_an_event_the_gap_safe_read_delivers(
+    private_backend_dsn: str,
+) -> None:
+    t1 = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    t2 = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    async with t1, t2, open_pool(private_backend_dsn, "test-read") as pool:
+        store = OutboxStore(pool)
+        # T1 writes first (takes the lower seq) and stays open.
+        await t1.execute("INSERT INTO call_logs (caller_number, callee_number) VALUES ('t1', '0')")
+        cur = await t1.execute("SELECT seq, txid::text FROM sync.events_outbox")
+        t1_row = await cur.fetchone()
+        assert t1_row is not None
+        seq1 = t1_row[0]
+        # T2 writes (higher seq) and commits.
+        await t2.execute("INSERT INTO call_logs (caller_number, callee_number) VALUES ('t2', '0')")
+        cur = await t2.execute("SELECT seq, txid::text FROM sync.events_outbox")
+        t2_row = await cur.fetchone()
+        assert t2_row is not None
+        seq2, txid2 = t2_row[0], int(t2_row[1])
+        assert seq1 < seq2
+        await t2.commit()
+
+        # A naive reader sees only T2's row and would advance past T1's seq ...
+        naive = await fetch_all(
+            private_backend_dsn, "SELECT seq FROM sync.events_outbox WHERE seq > 0"
+        )
+        assert naive == [(seq2,)]
+        naive_last = seq2
+        # ... while the gap-safe read delivers nothing yet and says why.
+        result = await store.read_batch(Position.start(), 100)
+        assert result.batch is None
+        assert result.held_back is True
+
+        await t1.commit()
+
+    # T1's event is committed now, but behind the naive reader's position for good.
+    assert (
+        await fetch_all(
+            private_backend_dsn, "SELECT seq FROM sync.events_outbox WHERE seq > %s", (naive_last,)
+        )
+        == []
+    )
+    assert await fetch_value(private_backend_dsn, "SELECT count(*) FROM sync.events_outbox") == 2
+
+    async with open_pool(private_backend_dsn, "test-read") as pool:
+        store = OutboxStore(pool)
+        batch = await read_when_ready(store, Position.start())
+        entries = batch.entries()
+        assert [e["seq"] for e in entries] == [seq1, seq2]
+        assert [e["payload"]["caller_number"] for e in entries] == ["t1", "t2"]
+        assert batch.end == Position(txid2, seq2)
+        after = await store.read_batch(batch.end, 100)
+        assert after.batch is None
+
+
+async def test_lower_seq_delivered_after_higher_seq_is_not_skipped(
+    private_backend_dsn: str,
+) -> None:
+    """The position is (txid, seq), not seq: an event whose seq is below the position's seq but
+    whose transaction is younger is still delivered."""
+    older = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    younger = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    async with older, younger, open_pool(private_backend_dsn, "test-read") as pool:
+        store = OutboxStore(pool)
+        cur = await older.execute("SELECT pg_current_xact_id()::text")  # the older xid
+        xid_row = await cur.fetchone()
+        assert xid_row is not None
+        # The younger transaction writes first (lower seq) and stays open ...
+        await younger.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) VALUES ('young', '0')"
+        )
+        # ... the older one writes next (higher seq) and commits.
+        await older.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) VALUES ('old', '0')"
+        )
+        await older.commit()
+
+        first = await read_when_ready(store, Position.start())
+        assert [e["payload"]["caller_number"] for e in first.entries()] == ["old"]
+        high_seq = first.end.seq
+        assert first.end.txid == int(xid_row[0])
+
+        await younger.commit()
+        second = await read_when_ready(store, first.end)
+        entries = second.entries()
+        assert [e["payload"]["caller_number"] for e in entries] == ["young"]
+        assert entries[0]["seq"] < high_seq  # a `seq > last_seq` reader would never see it
+        assert (await store.read_batch(second.end, 100)).batch is None
+
+
+# -- the held-back horizon ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("blocker", ["xid-other-database", "write-untracked-table"])
+async def test_held_back_event_arrives_via_recheck_soon_after_blocker_ends(
+    private_backend_dsn: str, private_cluster: PrivateCluster, blocker: str
+) -> None:
+    if blocker == "xid-other-database":
+        # Another database of the same cluster: the horizon is cluster-wide.
+        blocker_dsn, blocker_sql = private_cluster.dsn, "SELECT pg_current_xact_id()"
+    else:
+        async with await psycopg.AsyncConnection.connect(
+            private_backend_dsn, autocommit=True
+        ) as conn:
+            await conn.execute("CREATE TABLE scratch (n int)")
+        blocker_dsn, blocker_sql = private_backend_dsn, "INSERT INTO scratch VALUES (1)"
+
+    sink = RecordingSink()
+    async with running_runtime(
+        private_backend_dsn, sink, SYNC_POLL_INTERVAL_SEC=60, SYNC_RECHECK_INTERVAL_MS=50
+    ) as runtime:
+        await wait_until(lambda: parked(runtime), what="the consumer to wait, idle")
+        notified = runtime.stats.notify_wakeups
+        conn = await psycopg.AsyncConnection.connect(blocker_dsn)
+        async with conn:
+            await conn.execute(blocker_sql)  # holds an xid older than the event's
+            await insert_call(private_backend_dsn, "held")
+
+            def woken() -> bool:
+                return runtime.stats.notify_wakeups > notified
+
+            await wait_until(woken, what="the NOTIFY of the insert")
+            rechecks = runtime.stats.recheck_wakeups
+
+            def rechecked_a_few_times() -> bool:
+                return runtime.stats.recheck_wakeups >= rechecks + 4
+
+            await wait_until(rechecked_a_few_times, what="re-checks while held back")
+            assert sink.entries == [], "delivered past an open older transaction"
+            # `serversync status` agrees: one committed event waits behind the horizon.
+            assert await fetch_value(private_backend_dsn, query("horizon_state")) == 1
+            notified = runtime.stats.notify_wakeups
+            rechecks = runtime.stats.recheck_wakeups
+            await conn.rollback()  # the blocker ends; nothing notifies about that
+            ended = time.monotonic()
+
+            def delivered() -> bool:
+                return len(sink.entries) == 1
+
+            await wait_until(delivered, timeout=5, interval=0.005, what="the held-back event")
+            latency = time.monotonic() - ended
+        assert latency < 1.0, f"took {latency:.3f}s after the blocker ended"
+        assert runtime.stats.recheck_wakeups > rechecks
+        assert runtime.stats.notify_wakeups == notified
+        assert runtime.stats.poll_wakeups == 0
+    assert sink.entries[0]["payload"]["caller_number"] == "held"
+
+
+# -- lost NOTIFY and no NOTIFY ------------------------------------------------------------------
+
+LISTENER_BACKENDS = (
+    "SELECT pid FROM pg_stat_activity "
+    "WHERE datname = current_database() AND application_name LIKE 'serversync:listen:%'"
+)
+
+
+def kill_listener_then_commit(dsn: str, callers: list[str]) -> int:
+    """Terminate the listener's backend and commit events before the listener can reconnect.
+
+    Deliberately synchronous: the listener runs in this test's event loop, which is blocked
+    until this returns, so the commits (and their NOTIFY) certainly happen while nobody
+    listens. Returns the terminated backend's pid."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pids = [pid for (pid,) in conn.execute(LISTENER_BACKENDS).fetchall()]
+        assert len(pids) == 1, f"expected one listener backend, found {pids}"
+        row = conn.execute("SELECT pg_terminate_backend(%s, 5000)", (pids[0],)).fetchone()
+        assert row is not None
+        assert row[0] is True
+        assert conn.execute(LISTENER_BACKENDS).fetchall() == []
+        for caller in callers:
+            conn.execute(
+                "INSERT INTO call_logs (caller_number, callee_number) VALUES (%s, '0')", (caller,)
+            )
+        assert conn.execute(LISTENER_BACKENDS).fetchall() == []
+        return int(pids[0])
+
+
+async def test_lost_notify_during_listener_reconnect_is_caught_up(private_backend_dsn: str) -> None:
+    sink = RecordingSink()
+    async with running_runtime(private_backend_dsn, sink, SYNC_POLL_INTERVAL_SEC=60) as runtime:
+        listener = listener_of(runtime)
+
+        # Before that, "before" would be read without any NOTIFY to wait for.
+        await wait_until(
+            lambda: waiting_for_notify(private_backend_dsn),
+            what="the idle consumer to wait for a NOTIFY",
+        )
+        await insert_call(private_backend_dsn, "before")
+
+        def first_delivered_and_notified() -> bool:
+            return len(sink.entries) == 1 and listener.notifications >= 1
+
+        await wait_until(first_delivered_and_notified, what="the first event and its NOTIFY")
+        # Asleep again before the listener goes: a consumer still between its reads after the
+        # first event would find the next ones by itself, whatever became of their NOTIFY.
+        await wait_until(lambda: parked(runtime), what="the consumer to wait again")
+        notifications, reconnects = listener.notifications, listener.reconnects
+
+        killed = kill_listener_then_commit(private_backend_dsn, ["lost-1", "lost-2", "lost-3"])
+        started = time.monotonic()
+
+        def caught_up() -> bool:
+            return len(sink.entries) == 4
+
+        await wait_until(caught_up, timeout=10, what="the events whose NOTIFY was lost")
+        elapsed = time.monotonic() - started
+        assert elapsed < 5.0, f"took {elapsed:.1f}s: looks like the 60 s poll timer"
+        assert listener.reconnects == reconnects + 1
+        # The NOTIFY went to nobody: the catch-up read after the reconnect found the events.
+        assert listener.notifications == notifications
+        assert runtime.stats.poll_wakeups == 0
+        pids = [pid for (pid,) in await fetch_all(private_backend_dsn, LISTENER_BACKENDS)]
+        assert len(pids) == 1
+        assert pids[0] != killed
+    assert [e["payload"]["caller_number"] for e in sink.entries] == [
+        "before",
+        "lost-1",
+        "lost-2",
+        "lost-3",
+    ]
+
+
+def insert_into_outbox_without_notify(dsn: str) -> None:
+    """Write an event straight into the outbox: no trigger there, so no NOTIFY.
+
+    Deliberately synchronous: the consumer runs in this test's event loop, so it cannot start a
+    read before this has committed."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload) "
+            "VALUES ('upsert', 'call_log', 'no-notify', '{\"id\": \"no-notify\"}')"
+        )
+
+
+async def test_event_without_notify_is_picked_up_by_the_poll_timer(
+    private_backend_dsn: str,
+) -> None:
+    sink = RecordingSink()
+    async with running_runtime(private_backend_dsn, sink, SYNC_POLL_INTERVAL_SEC=0.5) as runtime:
+        listener = listener_of(runtime)
+        await wait_until(lambda: parked(runtime), what="the consumer to wait for its poll timer")
+        # No await from here until the event is committed: the consumer stays parked.
+        notifications = listener.notifications
+        notify_wakeups = runtime.stats.notify_wakeups
+        polls = runtime.stats.poll_wakeups
+        insert_into_outbox_without_notify(private_backend_dsn)
+
+        def delivered() -> bool:
+            return len(sink.entries) == 1
+
+        await wait_until(delivered, timeout=5, what="the event nobody notified about")
+        assert runtime.stats.poll_wakeups > polls
+        assert runtime.stats.poll_wakeups > 0
+        assert listener.notifications == notifications
+        assert runtime.stats.notify_wakeups == notify_wakeups
+    assert sink.entries[0]["entityId"] == "no-notify"
+
+
+# -- offset resets across a txid digit boundary -------------------------------------------------
+
+
+async def burn_xids_past_a_power_of_ten(dsn: str) -> None:
+    """Consume xids until the next one has one more decimal digit than the current one."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        cur = await conn.execute("SELECT pg_current_xact_id()::text")
+        row = await cur.fetchone()
+        assert row is not None
+        xid = int(row[0])
+        needed = 10 ** len(str(xid)) - xid
+        if needed > 300_000:
+            pytest.skip(f"xid {xid} is {needed} xids short of a power of ten; too slow to burn")
+        await conn.execute(
+            sql.SQL(
+                "DO $$ BEGIN FOR i IN 1..{} LOOP PERFORM pg_current_xact_id(); COMMIT; "
+                "END LOOP; END $$"
+            ).format(sql.Literal(needed))
+        )
+
+
+async def test_offset_reset_targets_order_txids_as_numbers(private_backend_dsn: str) -> None:
+    """A reset must not land past events whose txid has fewer digits: ordered as text, txid
+    '10000' sorts before '9999', and a replay from such a target skips events for good."""
+    for i in range(3):
+        await insert_call(private_backend_dsn, f"short-txid-{i}")
+    await burn_xids_past_a_power_of_ten(private_backend_dsn)
+    for i in range(3):
+        await insert_call(private_backend_dsn, f"long-txid-{i}")
+    outbox = await outbox_in_delivery_order(private_backend_dsn)
+    assert len(outbox) == 6
+    assert len(str(outbox[0].txid)) < len(str(outbox[-1].txid))
+    positions = [Position(row.txid, row.seq) for row in outbox]
+    first_created = await fetch_value(
+        private_backend_dsn,
+        "SELECT created_at FROM sync.events_outbox WHERE seq = %s",
+        (outbox[0].seq,),
+    )
+
+    conn = await psycopg.AsyncConnection.connect(private_backend_dsn, autocommit=True)
+    async with conn:
+        # The consumer has delivered everything.
+        await conn.execute(
+            "INSERT INTO sync.consumer_offsets (consumer, last_txid, last_seq) "
+            "VALUES (%s, %s::xid8, %s)",
+            (CONSUMER, str(positions[-1].txid), positions[-1].seq),
+        )
+        latest = await plan_reset(conn, CONSUMER, to_latest=True)
+        assert (latest.target, latest.replayed, latest.skipped) == (positions[-1], 0, 0)
+        by_seq = await plan_reset(conn, CONSUMER, to_seq=outbox[0].seq - 1)
+        assert by_seq.target == Position(outbox[0].txid, outbox[0].seq - 1)
+        assert by_seq.replayed == 6
+        by_time = await plan_reset(conn, CONSUMER, to_datetime=first_created)
+        assert by_time.replayed == 6
+        back = await plan_reset(conn, CONSUMER, shift_by=-4)
+        assert (back.target, back.replayed) == (positions[1], 4)
+
+        await conn.execute(
+            "UPDATE sync.consumer_offsets SET last_txid = '0', last_seq = 0 WHERE consumer = %s",
+            (CONSUMER,),
+        )
+        forward = await plan_reset(conn, CONSUMER, shift_by=4)
+        assert (forward.target, forward.skipped) == (positions[3], 4)
