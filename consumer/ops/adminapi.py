@@ -31,7 +31,7 @@ log = logging.getLogger("serversync.adminapi")
 SERVICE_KEY = web.AppKey("dead_letters", DeadLetters)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# Seed 004's DlqError variants.
+# The admin API's error codes (docs/admin-api.md): stable names a client may branch on.
 NOT_FOUND = "SYS_DLQ_NOT_FOUND"
 VALIDATION_ERROR = "SYS_DLQ_VALIDATION_ERROR"
 CONFLICT = "SYS_DLQ_CONFLICT"
