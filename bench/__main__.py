@@ -88,12 +88,16 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "poll_interval": args.poll_interval,
             "quick": quick,
             "rounds": rounds,
-            "server": "private cluster" if args.private else "DATABASE_URL or local",
         },
     }
     workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
     progress(f"logs in {workdir}")
     with bench_server(args.private) as server:
+        # What was measured on, not what was asked for: with no server running, a private
+        # cluster is started even without --private (and the producer adds its durable modes).
+        result["parameters"]["server"] = (
+            "private cluster" if server.cluster is not None else "DATABASE_URL or local"
+        )
         env = await fresh_databases(server, workdir)
         result["machine"]["postgres"] = (await execute(env.backend, "SHOW server_version"))[0][0]
         if args.command in ("drain", "all"):

@@ -15,16 +15,17 @@
 -- order of the subquery: an ORDER BY out here would sort the batch a second time for nothing.
 -- The entries are not built here as JSON: string_agg over the concatenated entry text cost
 -- more in the server than fetching plain rows and letting orjson write them
--- (consumer/wire/entries.py; docs/performance.md has the timings).
+-- (consumer/wire/entries.py; docs/performance.md has the timings). origin comes last: the
+-- entry's columns end the row (consumer/wire/entries.py, ENTRY_COLUMNS).
 WITH horizon AS MATERIALIZED (
     SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmin(s) < pg_snapshot_xmax(s) AS held_back
     FROM pg_current_snapshot() AS s
 )
 SELECT h.held_back, b.txid::text, b.seq, b.op, b.entity_type, b.entity_id, b.payload::text,
-       b.created_at
+       b.created_at, b.origin
 FROM horizon h
 LEFT JOIN LATERAL (
-    SELECT o.txid, o.seq, o.op, o.entity_type, o.entity_id, o.payload, o.created_at
+    SELECT o.txid, o.seq, o.op, o.entity_type, o.entity_id, o.payload, o.created_at, o.origin
     FROM sync.events_outbox o
     WHERE (o.txid, o.seq) > (%(txid)s::xid8, %(seq)s::bigint)
       AND o.txid < h.xmin
@@ -287,15 +288,18 @@ SET waiting = EXCLUDED.waiting, updated_at = EXCLUDED.updated_at;
 -- The payloads are not taken out of a JSON document of entries with ->, json_to_record or
 -- json_each: those de-escape every string of what they read and refuse "\u0000" and lone
 -- surrogates anywhere in it, and a parking that fails holds the offset on that batch for ever.
+-- origin is the entry's as delivered (this node's name for a change made here, when the node
+-- is named), so a retry sends the event as it was sent.
 INSERT INTO sync.dlq_messages
     (consumer, seq, entity_type, entity_id, op, payload, event_created_at, error_code,
-     error_message, max_retries)
+     error_message, max_retries, origin)
 SELECT %(consumer)s, e.seq, e.entity_type, e.entity_id, e.op, e.payload::json,
-       e.created_at::timestamptz, e.error_code, e.error_message, %(max_retries)s
+       e.created_at::timestamptz, e.error_code, e.error_message, %(max_retries)s, e.origin
 FROM unnest(%(seqs)s::bigint[], %(entity_types)s::text[], %(entity_ids)s::text[],
             %(ops)s::text[], %(payloads)s::text[], %(created_ats)s::text[], %(codes)s::text[],
-            %(messages)s::text[])
-     AS e(seq, entity_type, entity_id, op, payload, created_at, error_code, error_message)
+            %(messages)s::text[], %(origins)s::text[])
+     AS e(seq, entity_type, entity_id, op, payload, created_at, error_code, error_message,
+          origin)
 ON CONFLICT (consumer, seq) DO NOTHING;
 
 -- recording-upload --------------------------------------------------------------------------
@@ -524,6 +528,27 @@ WITH gone AS (
             LIMIT %(limit)s))
       AND m.status = 'RESOLVED'
       AND m.updated_at < %(cutoff)s
+    RETURNING 1
+)
+SELECT count(*) AS deleted FROM gone;
+
+-- name: retention_enqueue_keys_count
+-- Idempotency keys of sync.enqueue taken before the cutoff: they go with the outbox rows of the
+-- same age (a repeated key older than the retention is an event again).
+SELECT count(*)
+FROM sync.enqueue_keys
+WHERE created_at < %(cutoff)s;
+
+-- name: retention_delete_enqueue_keys
+-- One batch of retention_enqueue_keys_count's keys.
+WITH gone AS (
+    DELETE FROM sync.enqueue_keys k
+    WHERE k.ctid = ANY (ARRAY(
+            SELECT d.ctid
+            FROM sync.enqueue_keys d
+            WHERE d.created_at < %(cutoff)s
+            LIMIT %(limit)s))
+      AND k.created_at < %(cutoff)s
     RETURNING 1
 )
 SELECT count(*) AS deleted FROM gone;

@@ -241,7 +241,9 @@ async def test_only_a_tables_owner_may_track_it(backend_dsn: str, roles: Roles) 
         "CREATE TABLE notes (id int PRIMARY KEY, body text)",
         grant("GRANT TRIGGER ON notes TO {}", outsider),
         grant("GRANT USAGE, CREATE ON SCHEMA sync TO {}", outsider),
-        grant("GRANT EXECUTE ON FUNCTION sync.track(regclass, text, text) TO {}", outsider),
+        grant(
+            "GRANT EXECUTE ON FUNCTION sync.track(regclass, text, text, boolean) TO {}", outsider
+        ),
     )
     conn = await connect_as(backend_dsn, outsider)
     async with conn:
@@ -443,18 +445,26 @@ async def test_a_migrating_role_that_may_create_roles_hands_the_relay_to_servers
     schema sync only while it hands the functions over."""
     owner = await roles.create("owner", empty_dsn, "LOGIN CREATEROLE")
     await give_database(empty_dsn, owner)
+    relay_existed = await fetch_value(empty_dsn, "SELECT to_regrole(%s) IS NOT NULL", (RELAY_ROLE,))
+    # From PostgreSQL 16 on, CREATEROLE grants membership only in roles the grantor holds with
+    # ADMIN OPTION (those it created itself): a serversync_relay someone else made earlier
+    # must be granted to the migrating role, else the documented fallback applies.
+    may_join = not relay_existed or await fetch_value(
+        empty_dsn, "SELECT current_setting('server_version_num')::int < 160000"
+    )
     conn = await connect_as(empty_dsn, owner)
     async with conn:
         await migrations.migrate(conn, ["backend"])
         await migrations.apply_examples(conn)
+    expected_owner = RELAY_ROLE if may_join else owner
     for _, function_owner, definer, _, _ in await fetch_all(empty_dsn, GENERATED, ("call_logs",)):
-        assert (function_owner, definer) == (RELAY_ROLE, True)
+        assert (function_owner, definer) == (expected_owner, True)
     relay_rights = (
         "SELECT has_schema_privilege(%(relay)s, 'sync', 'CREATE'),"
         " pg_has_role(%(owner)s, %(relay)s, 'MEMBER')"
     )
     assert await fetch_all(empty_dsn, relay_rights, {"relay": RELAY_ROLE, "owner": owner}) == [
-        (False, True)
+        (False, may_join)
     ]
     writer = await writer_of(empty_dsn, roles, "call_logs")
     await execute(
@@ -837,3 +847,78 @@ async def test_regenerating_the_relays_untracks_a_table_sync_track_now_refuses_w
     assert [entity_type for _, entity_type, _, _ in await fetch_all(empty_dsn, EVENTS)] == [
         "call_log"
     ]
+
+
+# -- sync.enqueue: serversync_producer's alone ----------------------------------------------------
+
+PRODUCER_ROLE = "serversync_producer"
+ENQUEUE = "SELECT sync.enqueue('notice', 'n-1', '{\"n\": 1}')"
+
+
+async def test_only_a_member_of_serversync_producer_may_enqueue(
+    backend_dsn: str, roles: Roles
+) -> None:
+    """sync.enqueue runs as serversync_relay with a fixed search_path; PUBLIC may not call it,
+    a role given serversync_producer may (and gains no privilege on any table of sync), a role
+    with USAGE on the schema but not the role may not."""
+    function = await fetch_all(
+        backend_dsn,
+        "SELECT pg_get_userbyid(p.proowner), p.prosecdef, p.proconfig,"
+        " has_function_privilege('public', p.oid, 'EXECUTE')"
+        " FROM pg_proc p WHERE p.oid = 'sync.enqueue(text, text, json, text, text)'::regprocedure",
+    )
+    assert function == [(RELAY_ROLE, True, ["search_path=pg_catalog, pg_temp"], False)]
+    producer = await roles.create("producer", backend_dsn)
+    outsider = await roles.create("outsider", backend_dsn)
+    await execute(
+        backend_dsn,
+        grant(f"GRANT {PRODUCER_ROLE} TO {{}}", producer),
+        grant("GRANT USAGE ON SCHEMA sync TO {}", outsider),
+    )
+    assert await fetch_all(backend_dsn, SYNC_PRIVILEGES, {"role": producer}) == [
+        ("schema sync: USAGE",)
+    ]
+    conn = await connect_as(backend_dsn, producer)
+    async with conn:
+        await conn.execute(ENQUEUE)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            await conn.execute(
+                "INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)"
+                " VALUES ('delete', 'notice', 'n-2', '{}')"
+            )
+    conn = await connect_as(backend_dsn, outsider)
+    async with conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege, match="function enqueue"):
+            await conn.execute(ENQUEUE)
+    writer = await writer_of(backend_dsn, roles, "call_logs")
+    conn = await connect_as(backend_dsn, writer)
+    async with conn:
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            await conn.execute(ENQUEUE)
+    assert await fetch_all(backend_dsn, EVENTS) == [("upsert", "notice", "n-1", {"n": 1})]
+
+
+async def test_a_migrating_role_hands_sync_enqueue_to_serversync_relay(
+    empty_dsn: str, roles: Roles
+) -> None:
+    """No superuser: the function is handed over with CREATE lent for the statement only, and
+    granted to serversync_producer; a second migrate (the file changed) keeps both."""
+    owner = await roles.create("owner", empty_dsn, "LOGIN CREATEROLE")
+    await give_database(empty_dsn, owner)
+    conn = await connect_as(empty_dsn, owner)
+    async with conn:
+        await migrations.migrate(conn, ["backend"])
+        await conn.execute(
+            "UPDATE sync.schema_migrations SET checksum = 'changed'"
+            " WHERE version = 'functions/enqueue.sql'"
+        )
+        await migrations.migrate(conn, ["backend"])
+    rights = await fetch_all(
+        empty_dsn,
+        "SELECT pg_get_userbyid(p.proowner),"
+        " has_function_privilege(%(producer)s, p.oid, 'EXECUTE'),"
+        " has_schema_privilege(%(relay)s, 'sync', 'CREATE')"
+        " FROM pg_proc p WHERE p.oid = 'sync.enqueue(text, text, json, text, text)'::regprocedure",
+        {"producer": PRODUCER_ROLE, "relay": RELAY_ROLE},
+    )
+    assert rights == [(RELAY_ROLE, True, False)]

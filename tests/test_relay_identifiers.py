@@ -6,6 +6,7 @@ words, dollar quotes and any Unicode."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from consumer.store import migrations
 from tests.conftest import fetch_all
 
 EVENTS = "SELECT op, entity_id, payload::text FROM sync.events_outbox WHERE entity_type = %s"
+# The node of the both-ways variant.
+NODE = "here"
 
 
 def _pairs(payload: str) -> list[tuple[str, Any]]:
@@ -187,6 +190,9 @@ GENERATED_NAMES = [
     "tg_relid", "tg_op", "tg_level", "tg_name", "tg_argv", "tg_table_name", "tg_table_schema",
     "found", "key_taken", "sync", "to_json", "coalesce", "nullif", "op", "entity_type",
     "entity_id", "payload", "seq", "txid", "id", "relay", "rekey",
+    # The both-ways template's parts, aliases and the columns it writes.
+    "changed", "applied", "made_here", "c", "d", "n", "v", "w", "version_ts", "version_node",
+    "deleted", "created_at", "origin", "excluded", "EXCLUDED", "node", "row_versions",
 ]  # fmt: skip
 HOSTILE_NAMES = [
     *GENERATED_NAMES,
@@ -289,8 +295,11 @@ def _values(values: list[Any]) -> sql.Composable:
     return sql.SQL(", ").join(sql.Literal(value) for value in values)
 
 
-def _track_change_and_untrack(conn: psycopg.Connection[Any], example: Example) -> None:
-    """Track the example's table, change it, check every event, then untrack it."""
+def _track_change_and_untrack(
+    conn: psycopg.Connection[Any], example: Example, *, both_ways: bool = False
+) -> None:
+    """Track the example's table (both ways or one way), change it, check every event (and,
+    both ways, every version), then untrack it."""
     table = sql.Identifier(example.schema, example.table)
     key = sql.Identifier(example.key)
     others = [sql.Identifier(name) for name in example.others]
@@ -319,11 +328,13 @@ def _track_change_and_untrack(conn: psycopg.Connection[Any], example: Example) -
     assert row is not None
     oid = row[0]
     tracked = (
-        "SELECT entity_type, key_column FROM sync.tracked_tables"
+        "SELECT entity_type, key_column, both_ways FROM sync.tracked_tables"
         " WHERE table_name = %s::oid::regclass"
     )
-    conn.execute("SELECT sync.track(%s::oid::regclass, 'hostile', %s)", (oid, example.key))
-    assert conn.execute(tracked, (oid,)).fetchall() == [("hostile", example.key)]
+    conn.execute(
+        "SELECT sync.track(%s::oid::regclass, 'hostile', %s, %s)", (oid, example.key, both_ways)
+    )
+    assert conn.execute(tracked, (oid,)).fetchall() == [("hostile", example.key, both_ways)]
     assert conn.execute(GENERATED_FUNCTIONS, (str(oid),)).fetchone() == (3,)
 
     old_key, new_key = example.text_keys if example.key_type.textual else (1, 2)
@@ -353,6 +364,8 @@ def _track_change_and_untrack(conn: psycopg.Connection[Any], example: Example) -
         ("upsert", new_text, payload(new_key, second)),
         ("delete", new_text, payload(new_key, second)),
     ]
+    if both_ways:
+        _check_versions(conn, [old_text, new_text])
 
     # Untracked: no longer listed, its generated functions gone, no event for any write.
     conn.execute("SELECT sync.untrack(%s::oid::regclass)", (oid,))
@@ -362,6 +375,25 @@ def _track_change_and_untrack(conn: psycopg.Connection[Any], example: Example) -
     conn.execute(sql.SQL("UPDATE {} SET {} = {}").format(table, key, sql.Literal(new_key)))
     conn.execute(sql.SQL("DELETE FROM {}").format(table))
     assert conn.execute("SELECT count(*) FROM sync.events_outbox").fetchone() == (len(events),)
+
+
+def _check_versions(conn: psycopg.Connection[Any], keys: list[str]) -> None:
+    """Every event of a key a version of this node's, strictly after the one before; each key's
+    last version a delete."""
+    events = conn.execute(
+        "SELECT entity_id, created_at, origin FROM sync.events_outbox"
+        " WHERE entity_type = 'hostile' ORDER BY txid, seq"
+    ).fetchall()
+    versions = conn.execute(
+        "SELECT entity_id, version_ts, version_node, deleted FROM sync.row_versions"
+        " WHERE entity_type = 'hostile' ORDER BY entity_id COLLATE \"C\""
+    ).fetchall()
+    for key in keys:
+        times = [created for entity_id, created, _ in events if entity_id == key]
+        assert all(a < b for a, b in itertools.pairwise(times)), (key, times)
+        assert (key, times[-1], NODE, True) in versions, (key, versions)
+    assert {origin for *_, origin in events} == {None}
+    assert len(versions) == len(keys)
 
 
 # The examples share one database (the fixture's): each makes its own schema and drops it.
@@ -380,6 +412,29 @@ def test_the_relay_works_for_tables_and_columns_of_any_legal_name(
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(example.schema)))
         try:
             _track_change_and_untrack(conn, example)
+        finally:
+            conn.execute(
+                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(example.schema))
+            )
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(example=examples())
+def test_the_both_ways_relay_works_for_tables_and_columns_of_any_legal_name(
+    backend_dsn: str, example: Example
+) -> None:
+    with psycopg.connect(backend_dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM sync.events_outbox")
+        conn.execute("DELETE FROM sync.row_versions")
+        conn.execute("SELECT sync.set_node_name(%s)", (NODE,))
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(example.schema)))
+        try:
+            _track_change_and_untrack(conn, example, both_ways=True)
         finally:
             conn.execute(
                 sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(example.schema))

@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from consumer.devtools.devdb import bindir_candidates
 from consumer.store import migrations
 from consumer.store.queries import sql_dir
 from tests.conftest import Databases, cli_env, fetch_all
@@ -28,7 +29,9 @@ def _client_programs(server_version_num: int) -> tuple[Path, Path]:
     """pg_dump and psql of the server's major version (pg_dump refuses a newer server, and an
     older server's dump differs in form), or skip the test saying why."""
     major = server_version_num // 10000
-    folders = [Path(f"/usr/lib/postgresql/{major}/bin")]
+    # Where the private clusters' binaries come from (the machine's, then the embedded wheel's),
+    # then the usual places.
+    folders = [*bindir_candidates(), Path(f"/usr/lib/postgresql/{major}/bin")]
     on_path = shutil.which("pg_dump")
     if on_path is not None:
         folders.append(Path(on_path).resolve().parent)
@@ -110,6 +113,8 @@ async def test_a_changed_function_file_is_applied_again_once_with_the_files_afte
     dsn = empty_dsn
     assert await _migrate(dsn) == [
         "backend/0001_baseline",
+        "backend/0002_both_directions",
+        "backend/functions/enqueue.sql",
         "backend/functions/relay.sql",
         "backend/functions/track.sql",
     ]

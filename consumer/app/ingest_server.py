@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
+from typing import Any
 
+import psycopg
 from aiohttp import web
 
-from consumer.app.settings import ReceiverSettings
+from consumer.app.settings import ConfigError, ReceiverSettings
 from consumer.app.startup import (
     StartupError,
     connect_or_explain,
@@ -15,7 +18,9 @@ from consumer.app.startup import (
     open_pool,
 )
 from consumer.receiver.app import BodyReads, build_app
+from consumer.receiver.mapping import MappingError, read_mapping, resolve
 from consumer.receiver.store import EntityStore
+from consumer.receiver.tables import TableWriter
 from consumer.receiver.uploads import RecordingFiles
 from consumer.store import migrations
 
@@ -34,6 +39,15 @@ def _recording_files(settings: ReceiverSettings) -> RecordingFiles:
     )
 
 
+async def table_writer(conn: psycopg.AsyncConnection[Any], path: Path) -> TableWriter:
+    """The writer of the mapping file at `path`, checked against the database of `conn`;
+    ConfigError (one line, exit 2) naming the file and what is wrong."""
+    try:
+        return TableWriter(await resolve(conn, read_mapping(path)))
+    except MappingError as exc:
+        raise ConfigError(f"INGEST_MAPPING_FILE {path}: {exc}") from None
+
+
 async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = False) -> None:
     """`serversync ingest-server`: migrate the receiver's database, then serve until signalled."""
     if not settings.shared_secrets and not insecure:
@@ -43,8 +57,11 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
             "local demo"
         )
     dsn = settings.frontend_database_url
+    tables = None
     async with await connect_or_explain(dsn, "ingest-migrate", "FRONTEND_DATABASE_URL") as conn:
         await migrations.migrate(conn, ["receiver"])
+        if settings.mapping_file is not None:
+            tables = await table_writer(conn, settings.mapping_file)
     recordings = _recording_files(settings)
     try:
         await asyncio.to_thread(recordings.prepare)
@@ -55,7 +72,7 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
         ) from None
     async with open_pool(dsn, "ingest", max_size=8) as pool:
         app = build_app(
-            EntityStore(pool),
+            EntityStore(pool, tables),
             max_body_bytes=settings.max_body_bytes,
             shared_secret=settings.shared_secrets,
             recordings=recordings,
@@ -79,6 +96,12 @@ async def run_ingest_server(settings: ReceiverSettings, *, insecure: bool = Fals
             if accepted
             else "unsigned requests accepted: --insecure",
         )
+        if tables is not None:
+            log.info(
+                "applying entity types %s into their tables (INGEST_MAPPING_FILE %s)",
+                ", ".join(tables.entity_types),
+                settings.mapping_file,
+            )
         stop = asyncio.Event()
         install_stop_handlers(stop.set)
         try:

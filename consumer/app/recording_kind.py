@@ -1,10 +1,12 @@
 """The parts of the recording-upload consumer kind: its sinks, its start-up check, and the outbox
-store that marks the recordings it parks."""
+store that marks the recordings it parks. The built-in recording-upload uploads to
+FRONTEND_BASE_URL; a declared consumer of sink "recording-upload" to its own url
+(`sinks_to`)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -23,6 +25,16 @@ log = logging.getLogger("serversync")
 
 NAME = "recording-upload"
 
+# settings -> where uploads go: the receiver's base URL, and the secret requests are signed with.
+Destination = Callable[[SyncSettings], tuple[str, str | None]]
+# settings, the ledger pool -> a new sink.
+Builder = Callable[[SyncSettings, AsyncConnectionPool[Any] | None], Sink]
+
+
+def frontend(settings: SyncSettings) -> tuple[str, str | None]:
+    """The built-in consumers' destination: FRONTEND_BASE_URL, signed with SYNC_SHARED_SECRET."""
+    return settings.frontend_url, settings.signing_secret
+
 
 def _ledger(pool: AsyncConnectionPool[Any] | None) -> RecordingStore:
     if pool is None:
@@ -31,29 +43,47 @@ def _ledger(pool: AsyncConnectionPool[Any] | None) -> RecordingStore:
 
 
 def _sink(
-    settings: SyncSettings, pool: AsyncConnectionPool[Any] | None, *, for_dead_letters: bool
+    settings: SyncSettings,
+    pool: AsyncConnectionPool[Any] | None,
+    destination: Destination,
+    *,
+    for_dead_letters: bool,
 ) -> Sink:
+    url, secret = destination(settings)
     return RecordingUploadSink(
-        settings.frontend_url,
+        url,
         ledger=_ledger(pool),
         recordings=RecordingsDir(settings.recordings_dir),
         timeout_sec=settings.timeout_sec,
-        shared_secret=settings.signing_secret,
+        shared_secret=secret,
         concurrency=settings.upload_concurrency,
         for_dead_letters=for_dead_letters,
     )
 
 
+def sinks_to(destination: Destination) -> tuple[Builder, Builder]:
+    """The delivery sink and the dead-letter sink of a recording-upload consumer that uploads
+    to `destination`."""
+
+    def delivery(settings: SyncSettings, pool: AsyncConnectionPool[Any] | None) -> Sink:
+        return _sink(settings, pool, destination, for_dead_letters=False)
+
+    def dead_letters(settings: SyncSettings, pool: AsyncConnectionPool[Any] | None) -> Sink:
+        return _sink(settings, pool, destination, for_dead_letters=True)
+
+    return delivery, dead_letters
+
+
 def delivery_sink(settings: SyncSettings, pool: AsyncConnectionPool[Any] | None) -> Sink:
     """The sink the running consumer uploads through (`pool`: the backend database, whose
     recordings rows it reads and marks)."""
-    return _sink(settings, pool, for_dead_letters=False)
+    return _sink(settings, pool, frontend, for_dead_letters=False)
 
 
 def dead_letter_sink(settings: SyncSettings, pool: AsyncConnectionPool[Any] | None) -> Sink:
     """The sink that redelivers a parked recording for an operator: it makes the row 'pending'
     while it is tried, then 'uploaded', or 'failed' again."""
-    return _sink(settings, pool, for_dead_letters=True)
+    return _sink(settings, pool, frontend, for_dead_letters=True)
 
 
 def ledger_pool_size(settings: SyncSettings) -> int:
@@ -69,7 +99,7 @@ async def check(settings: SyncSettings) -> None:
     async with open_pool(settings.database_url, "check", max_size=1) as pool:
         if not await RecordingStore(pool).table_present():
             raise StartupError(
-                "DATABASE_URL has no public.recordings table: recording-upload needs one (the "
+                "DATABASE_URL has no public.recordings table: a recording upload needs one (the "
                 "backend's own, or the example: `serversync migrate --with-examples`)"
             )
 

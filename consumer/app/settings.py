@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from consumer.observability.redact import mask_secrets
 from consumer.runtime.config import RuntimeConfig
 
-__all__ = ["ConfigError", "ReceiverSettings", "SyncSettings", "load"]
+__all__ = ["CONSUMER_NAME", "ConfigError", "ReceiverSettings", "SyncSettings", "load"]
 
 
 class ConfigError(Exception):
@@ -25,6 +25,8 @@ MIN_SECRET_CHARS = 32
 PLACEHOLDER = "CHANGE_ME"
 # Settings whose value an error message never echoes.
 _UNECHOED = frozenset({"SYNC_SHARED_SECRET", "SYNC_ADMIN_TOKEN"})
+# A consumer's name, and a node's (sync.consumer_offsets' CHECK and sync.node hold the same rule).
+CONSUMER_NAME = r"^[a-z][a-z0-9_-]{0,62}$"
 
 
 def _secret_list(value: str | None) -> str | None:
@@ -55,6 +57,23 @@ def _secret_list(value: str | None) -> str | None:
                 "(e.g. `openssl rand -hex 32`)",
             )
     return ",".join(secrets)
+
+
+def parse_secrets(value: str, what: str) -> tuple[str, ...]:
+    """`value` checked as SYNC_SHARED_SECRET is (one secret or a comma-separated list, each long
+    enough and not the placeholder): its secrets in order, or a ConfigError that starts with
+    `what` and never quotes a secret."""
+    try:
+        checked = _secret_list(value)
+    except PydanticCustomError as exc:
+        raise ConfigError(f"{what}: {exc.message()}") from None
+    assert checked is not None
+    return tuple(checked.split(","))
+
+
+def _unset_when_empty(value: object) -> object:
+    # `NAME=` in an env file (how the examples show a setting that is off) means "not set".
+    return None if value == "" else value
 
 
 class _Base(BaseSettings):
@@ -150,6 +169,19 @@ class SyncSettings(_Base):
     upload_concurrency: int = Field(4, ge=1, le=64, validation_alias="SYNC_UPLOAD_CONCURRENCY")
     # frontend-sync: batches delivered at once while a backlog drains (offsets move in order).
     max_in_flight: int = Field(2, ge=1, le=16, validation_alias="SYNC_MAX_IN_FLIGHT")
+    # Consumers an operator declares (consumer/app/declared.py): `serversync run NAME` finds NAME
+    # there when it is no built-in one. Read when a consumer is resolved, checked whole.
+    consumers_file: Path | None = Field(None, validation_alias="SYNC_CONSUMERS_FILE")
+    # The node the built-in consumers deliver to: an event whose origin is that node came from
+    # it and is not sent back (no echo). A declared consumer names its own (`target_node`).
+    target_node: str | None = Field(
+        None, pattern=CONSUMER_NAME, validation_alias="SYNC_TARGET_NODE"
+    )
+
+    @field_validator("consumers_file", "target_node", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return _unset_when_empty(value)
 
     @property
     def frontend_url(self) -> str:
@@ -210,6 +242,16 @@ class ReceiverSettings(_Base):
     min_free_bytes: int = Field(1024 * 1024 * 1024, ge=0, validation_alias="INGEST_MIN_FREE_BYTES")
     # The base of the fileUrl answered for an upload; by default the URL the request came to.
     public_base_url: HttpUrl | None = Field(None, validation_alias="INGEST_PUBLIC_BASE_URL")
+    # The mapping of entity types to tables of the receiving database (TOML; consumer/receiver/
+    # mapping.py): those types are applied into their tables, the others go to ingest.entities.
+    # Unset: every type goes to ingest.entities.
+    mapping_file: Path | None = Field(None, validation_alias="INGEST_MAPPING_FILE")
+
+    @field_validator("mapping_file", mode="before")
+    @classmethod
+    def _no_mapping_when_empty(cls, value: object) -> object:
+        # `INGEST_MAPPING_FILE=` in an env file (how the example shows it unset) is "not set".
+        return None if value == "" else value
 
 
 def _one_line(exc: ValidationError, model: type[BaseSettings]) -> str:

@@ -1,5 +1,6 @@
-"""Puts a consumer process together: its pool, outbox store, sink and runtime from its kind
-(kinds.py), and the HTTP port beside it (health, readiness, metrics, the DLQ admin API).
+"""Puts a consumer process together: its pool, outbox store, sink, the entries it does not send
+and runtime from its kind (kinds.py: built in, or declared in SYNC_CONSUMERS_FILE), and the HTTP
+port beside it (health, readiness, metrics, the DLQ admin API).
 
 The receiver's process is ingest_server.py; what both need first is startup.py.
 """
@@ -18,7 +19,7 @@ from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
 from consumer.app.kinds import KINDS, consumer_kind
-from consumer.app.settings import SyncSettings, runtime_config
+from consumer.app.settings import ConfigError, SyncSettings, runtime_config
 from consumer.app.startup import (
     StartupError,
     check_database,
@@ -26,6 +27,7 @@ from consumer.app.startup import (
     install_stop_handlers,
     open_pool,
 )
+from consumer.core.errors import first_line
 from consumer.core.events import Sink
 from consumer.observability.telemetry import Telemetry
 from consumer.ops import gauges
@@ -56,6 +58,7 @@ __all__ = [
 
 log = logging.getLogger("serversync")
 
+# The built-in consumers; SYNC_CONSUMERS_FILE may declare more.
 CONSUMERS = tuple(KINDS)
 # "null" accepts every batch without sending it (benchmarks), whatever the consumer's kind.
 SINKS = ("default", "null")
@@ -72,7 +75,7 @@ def make_sink(
     """The sink a consumer delivers to (`pool`: the backend database, for sinks that update
     it; `for_dead_letters`: the sink redelivers events an operator retries from the dead-letter
     queue)."""
-    kind = consumer_kind(consumer)
+    kind = consumer_kind(consumer, settings)
     if sink == "null":
         return NullSink()
     build = kind.dead_letter_sink if for_dead_letters else kind.sink
@@ -84,8 +87,10 @@ async def consumer_runtime(
     settings: SyncSettings, consumer: str, sink: str = "default"
 ) -> AsyncIterator[ConsumerRuntime]:
     """A ready-to-run consumer (the caller runs it and asks it to stop)."""
-    kind = consumer_kind(consumer)
+    kind = consumer_kind(consumer, settings)
     delivers = sink != "null"
+    # `--sink null` measures a plain consumer: it passes nothing over either.
+    entry_filter = kind.entry_filter(settings) if delivers else None
     dsn = settings.database_url
     async with contextlib.AsyncExitStack() as stack:
         # Offset commits do not wait for the WAL flush: one lost in a server crash only sends its
@@ -100,9 +105,12 @@ async def consumer_runtime(
             ledger_pool = await stack.enter_async_context(
                 open_pool(dsn, f"run:{consumer}:ledger", max_size=kind.ledger_pool_size(settings))
             )
+        store = kind.outbox_store(pool, ledger_pool) if delivers else OutboxStore(pool)
+        if entry_filter is not None and entry_filter.target_node is not None:
+            await _check_target_node(consumer, store, entry_filter.target_node)
         yield ConsumerRuntime(
             consumer,
-            store=kind.outbox_store(pool, ledger_pool) if delivers else OutboxStore(pool),
+            store=store,
             sink=make_sink(consumer, settings, sink, pool=ledger_pool),
             lock=LeaderLock(dsn, consumer),
             listener=NotifyListener(dsn, consumer) if settings.listen else None,
@@ -110,6 +118,25 @@ async def consumer_runtime(
             config=dataclasses.replace(
                 runtime_config(settings), max_in_flight=kind.batches_in_flight(settings)
             ),
+            entry_filter=entry_filter,
+        )
+
+
+async def _check_target_node(consumer: str, store: OutboxStore, target: str) -> None:
+    """A consumer whose target node is its own database's node would pass over every change
+    made here (their wire origin is this node's name): refused at start. The node name is read
+    once, here."""
+    try:
+        own = await store.node_name()
+    except psycopg.Error as exc:
+        raise StartupError(
+            f"consumer {consumer}: cannot read this database's node name: {first_line(exc)}"
+        ) from None
+    if own == target:
+        raise ConfigError(
+            f"consumer {consumer}: its target node {target!r} is this database's own node name "
+            "(sync.node_name()): it would send none of the changes made here; name the node it "
+            "delivers to"
         )
 
 
@@ -121,11 +148,11 @@ async def run_consumer(
     telemetry: Telemetry | None = None,
 ) -> None:
     """`serversync run CONSUMER`: until SIGTERM/SIGINT."""
-    kind = consumer_kind(consumer)
+    kind = consumer_kind(consumer, settings)
     if sink != "null":
-        # Before anything else: a consumer that would deliver to no configured frontend does
-        # not start (exit 2, one line).
-        _ = settings.frontend_url
+        # Before anything else: a consumer that would deliver to no configured receiver, or
+        # sign with a secret that is missing or weak, does not start (exit 2, one line).
+        kind.check_settings(settings)
     await check_database(settings.database_url, ["backend"], "DATABASE_URL")
     if sink != "null" and kind.check is not None:
         await kind.check(settings)
@@ -135,11 +162,12 @@ async def run_consumer(
     ):
         install_stop_handlers(runtime.request_stop)
         log.info(
-            "consumer %s starting (batch %d, poll %ss, sink %s)",
+            "consumer %s starting (batch %d, poll %ss, sink %s, sends %s)",
             consumer,
             settings.batch_size,
             settings.poll_interval_sec,
             runtime.sink.name,
+            runtime.entry_filter.describe() if runtime.entry_filter else "everything",
         )
         await runtime.run()
     log.info("consumer %s stopped", consumer)

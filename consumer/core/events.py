@@ -245,6 +245,9 @@ class Outcome(enum.StrEnum):
     # A stop or a lost lead came before the batch was settled: nothing is committed, and the
     # events are sent again by whoever leads next.
     ABANDONED = "abandoned"
+    # Not for this consumer: an entity type it does not send, or an event that came from the
+    # node it delivers to (no echo). Never sent; the offset moves past them.
+    SKIPPED = "skipped"
 
 
 class DeliveryError(Exception):

@@ -22,10 +22,12 @@ _meter = metrics.get_meter("serversync")
 tracer = trace.get_tracer("serversync")
 
 # Labelled with an Outcome (consumer/core/events.py): delivered, already_processed (HTTP 409),
-# retried (counted once per failed attempt), parked.
+# retried (counted once per failed attempt), parked, skipped (not for this consumer: another
+# entity type, or from its target node; never sent, passed by the offset).
 EVENTS = _meter.create_counter(
     "serversync.events",
-    description="Events handled, by outcome: delivered, already_processed, retried, parked",
+    description="Events handled, by outcome: delivered, already_processed, retried, parked, "
+    "skipped",
     unit="{event}",
 )
 BATCH_SIZE = _meter.create_histogram(

@@ -20,6 +20,7 @@ from consumer.observability.redact import printable
 from consumer.receiver.guards import refusal_before_body
 from consumer.receiver.models import INGEST_REQUEST, describe, parse_body
 from consumer.receiver.store import EntityStore
+from consumer.receiver.tables import EntryRefused
 from consumer.receiver.uploads import RecordingFiles, add_routes
 from consumer.wire import signing
 from consumer.wire.contract import (
@@ -40,6 +41,14 @@ from consumer.wire.httpjson import (
 log = logging.getLogger("serversync.receiver")
 
 STORE_KEY = web.AppKey("store", EntityStore)
+# A mapped apply that met a local edit in progress (a lock not granted within its lock timeout),
+# a deadlock, or a serialization failure: retried by the sender after ROW_BUSY_RETRY_AFTER_SEC.
+ROW_BUSY = (
+    psycopg.errors.LockNotAvailable,
+    psycopg.errors.DeadlockDetected,
+    psycopg.errors.SerializationFailure,
+)
+ROW_BUSY_RETRY_AFTER_SEC = 1
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -90,7 +99,20 @@ async def ingest_sync(request: web.Request) -> web.Response:
     if received == 0:
         return json_response({"ok": True, "received": 0, "applied": 0, "stale": 0})
     try:
-        applied = await request.app[STORE_KEY].apply(body)
+        applied = await request.app[STORE_KEY].apply(body, ingest["entries"])
+    except EntryRefused as exc:
+        # A mapped entry without its version, or one its table refuses: the sender's bisection
+        # parks just that entry.
+        return error_response(422, "INGEST_VALIDATION_ERROR", str(exc), field=exc.field)
+    except ROW_BUSY as exc:
+        # A local transaction holds a row this request writes (lock_timeout), or two
+        # transactions crossed: the receiver yields, and the sender retries the same batch.
+        log.info("yielded to a concurrent transaction: %s", exc.diag.message_primary or exc)
+        response = error_response(
+            503, "INGEST_BUSY", "rows are being changed by another transaction; retry"
+        )
+        response.headers[hdrs.RETRY_AFTER] = str(ROW_BUSY_RETRY_AFTER_SEC)
+        return response
     except psycopg.DataError as exc:
         # An entry PostgreSQL refuses ("\u0000" or a lone surrogate in a payload, a date out of
         # range): the sender's fault, and its detail says which part of the entry.

@@ -25,6 +25,8 @@ from typing_extensions import TypedDict
 
 ENTITY_TYPE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$"
 # RFC 3339, as PostgreSQL's timestamptz input reads it; PostgreSQL remains the final judge.
+# A node's name (sync.node's rule, that of a consumer's name): an entry's origin.
+NODE_PATTERN = r"^[a-z][a-z0-9_-]{0,62}$"
 TIMESTAMP_PATTERN = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|z|[+-]\d{2}(:?\d{2})?)$"
 
 
@@ -61,6 +63,9 @@ class Entry(TypedDict):
     seq: Annotated[int, PlainValidator(_seq)]
     payload: Annotated[dict[str, Any], PlainValidator(_json_object)]
     createdAt: NotRequired[Annotated[str, StringConstraints(pattern=TIMESTAMP_PATTERN)] | None]
+    # The node where the change was first made; absent from a node without a name. A receiver
+    # that maps the entity type into a table requires it (with createdAt, it is the version).
+    origin: NotRequired[Annotated[str, StringConstraints(pattern=NODE_PATTERN)] | None]
 
 
 class IngestRequest(TypedDict):

@@ -59,10 +59,14 @@ class Pipeline:
         config: RuntimeConfig,
         stats: RuntimeStats,
         steps: Steps,
+        local_node: str | None = None,
     ) -> None:
         self.consumer = consumer
         self.epoch = epoch
         self.store = store
+        # The node's name, given to every read as the origin of changes made here; an unnamed
+        # node's reads take the store's default (no origin).
+        self._read_options: dict[str, str] = {"local_node": local_node} if local_node else {}
         self.settler = settler
         self.config = config
         self.stats = stats
@@ -100,7 +104,7 @@ class Pipeline:
                 await self.waiting.found_events()
                 position = batch.end
                 if batch.count == limit:
-                    prefetch = asyncio.create_task(self.store.read_batch(position, limit))
+                    prefetch = asyncio.create_task(self._read(position, limit))
                     while len(in_flight) >= window:
                         if not await self._finish(in_flight.popleft()):
                             return
@@ -131,8 +135,11 @@ class Pipeline:
         # A NOTIFY that arrives from here on must wake the next wait.
         self.wakeup.clear()
         return await self.steps.with_db_retry(
-            functools.partial(self.store.read_batch, position, limit), batch=True
+            functools.partial(self._read, position, limit), batch=True
         )
+
+    async def _read(self, position: Position, limit: int) -> ReadResult:
+        return await self.store.read_batch(position, limit, **self._read_options)
 
     async def _sleep(self, *, held_back: bool) -> None:
         """Nothing to read: sleep until a NOTIFY, the poll timer or, while an older open
@@ -166,7 +173,7 @@ class Pipeline:
 
         async def settle() -> Settled | None:
             with trace.use_span(span, end_on_exit=False, record_exception=False):
-                return await self.settler.settle(batch)
+                return await self.settler.settle_read(batch)
 
         task = asyncio.create_task(settle(), name=f"deliver:{self.consumer}:{batch.seq_range}")
         return _InFlight(batch, span, time.monotonic(), task)
@@ -196,9 +203,10 @@ class Pipeline:
         return True
 
     async def _commit(self, batch: Batch, settled: Settled) -> None:
-        """Move the offset past `batch`, parking its refused entries in the same transaction."""
+        """Move the offset past `batch`, parking its refused entries in the same transaction
+        (the entries passed over move behind the offset with the rest)."""
         parked = settled.parked
-        delivered = batch.count - len(parked)
+        delivered = batch.count - len(parked) - settled.skipped
         try:
             await self.steps.with_db_retry(
                 functools.partial(
@@ -226,32 +234,40 @@ class Pipeline:
             stats.recover()
         stats.delivered_events += delivered
         stats.parked_events += len(parked)
+        stats.skipped_events += settled.skipped
         if parked:
             self.settler.count_events(len(parked), Outcome.PARKED)
+        if settled.skipped:
+            self.settler.count_events(settled.skipped, Outcome.SKIPPED)
         stats.delivered_batches += 1
 
     def _report(self, delivery: _InFlight, settled: Settled) -> None:
         """Span outcome, metrics and the one log line of a committed batch."""
         batch = delivery.batch
         parked = len(settled.parked)
+        skipped = settled.skipped
         duration = time.monotonic() - delivery.started
         outcome = settled.outcome.value
         delivery.span.set_attribute("serversync.outcome", outcome)
         instruments.BATCH_SIZE.record(batch.count, self._labels)
         instruments.BATCH_DURATION.record(duration, self._labels)
+        # "(N parked)" as ever; the events passed over are named only where there are some.
+        passed_over = f", {skipped} skipped" if skipped else ""
         log.info(
-            "consumer %s: %s %d events seq %s in %.1f ms (%d parked)",
+            "consumer %s: %s %d events seq %s in %.1f ms (%d parked%s)",
             self.consumer,
             outcome,
-            batch.count - parked,
+            skipped if settled.outcome is Outcome.SKIPPED else batch.count - parked - skipped,
             batch.seq_range,
             duration * 1000,
             parked,
+            passed_over,
             extra={
                 "consumer": self.consumer,
                 "seq_range": batch.seq_range,
                 "events": batch.count,
                 "parked": parked,
+                "skipped": skipped,
                 "outcome": outcome,
                 "duration_ms": round(duration * 1000, 3),
             },

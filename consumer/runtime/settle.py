@@ -1,13 +1,14 @@
-"""Settling a batch: deliver it through the sink until it is delivered or its refused events are
-parked. Retries with backoff (or after the receiver's Retry-After), bisection to find the events
-a receiver refuses, and parking."""
+"""Settling a batch: pass over the entries the consumer does not send (filtering.py), deliver the
+rest through the sink until they are delivered or their refused events are parked. Retries with
+backoff (or after the receiver's Retry-After), bisection to find the events a receiver refuses,
+and parking."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opentelemetry import trace
@@ -17,6 +18,7 @@ from consumer.observability import instruments
 from consumer.observability.redact import safe_error
 from consumer.runtime.backoff import Backoff, retry_delay
 from consumer.runtime.config import RuntimeConfig
+from consumer.runtime.filtering import EntryFilter
 from consumer.runtime.stats import RuntimeStats
 from consumer.runtime.steps import LeadershipLostError, Steps
 
@@ -25,12 +27,14 @@ log = logging.getLogger("serversync.runtime")
 
 @dataclass(frozen=True)
 class Settled:
-    """What became of a batch: the entries to park with the offset commit, and the one word for
-    the batch (PARKED if any entry is parked, ALREADY_PROCESSED if the receiver had all of it
-    already, else DELIVERED)."""
+    """What became of a batch: the entries to park with the offset commit, the one word for the
+    batch (PARKED if any entry is parked, ALREADY_PROCESSED if the receiver had all of it
+    already, SKIPPED if none of it was for this consumer, else DELIVERED), and how many of its
+    events were passed over without being sent."""
 
     parked: list[DeadLetter]
     outcome: Outcome
+    skipped: int = 0
 
     @classmethod
     def both(cls, first: Settled, second: Settled) -> Settled:
@@ -41,7 +45,7 @@ class Settled:
             outcome = Outcome.PARKED
         else:
             outcome = Outcome.DELIVERED
-        return cls(first.parked + second.parked, outcome)
+        return cls(first.parked + second.parked, outcome, first.skipped + second.skipped)
 
 
 class Settler:
@@ -55,13 +59,47 @@ class Settler:
         config: RuntimeConfig,
         stats: RuntimeStats,
         steps: Steps,
+        entry_filter: EntryFilter | None = None,
     ) -> None:
         self.consumer = consumer
         self.sink = sink
         self.config = config
         self.stats = stats
         self.steps = steps
+        # None: every entry is sent.
+        self.entry_filter = entry_filter
         self._labels = {"consumer": consumer}
+
+    async def settle_read(self, batch: Batch) -> Settled | None:
+        """Settle a batch as read from the outbox: the entries this consumer does not send are
+        passed over (counted SKIPPED when the batch commits), the rest settled by `settle`; a
+        batch with nothing to send settles at once, without a request. None if a stop came
+        first."""
+        if self.entry_filter is None:
+            return await self.settle(batch)
+        backoff = Backoff(self.config.retry_initial, self.config.retry_max)
+        while True:
+            self.steps.raise_if_lost()
+            try:
+                sent, skipped = self.entry_filter.apply(batch)
+                break
+            except ValueError as exc:
+                # Entries the consumer cannot read: held and retried, never skipped.
+                log.error("consumer %s: cannot read seq %s", self.consumer, batch.seq_range)
+                error = DeliveryError(
+                    safe_error(f"cannot read the entries to choose those to send: {exc}"),
+                    failure=Failure.INTERNAL,
+                    code="INTERNAL_ERROR",
+                )
+            self._note_failure(error)
+            delay = retry_delay(backoff, None)
+            await self._retry_later(batch, error, backoff.attempts, delay)
+            if not await self.steps.sleep_while_leading(delay):
+                return None
+        if sent is None:
+            return Settled([], Outcome.SKIPPED, skipped)
+        settled = await self.settle(sent)
+        return replace(settled, skipped=skipped) if settled is not None else None
 
     async def settle(self, batch: Batch) -> Settled | None:
         """Deliver `batch`; what became of it, or None if a stop came first.

@@ -21,6 +21,9 @@ class RuntimeStats:
     failed_deliveries: int = 0
     retries: int = 0
     parked_events: int = 0
+    # Events not for this consumer (another entity type, or from its target node): never sent,
+    # passed by the offset.
+    skipped_events: int = 0
     notify_wakeups: int = 0
     poll_wakeups: int = 0
     recheck_wakeups: int = 0

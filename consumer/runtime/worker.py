@@ -21,6 +21,7 @@ from consumer.core.events import Failure, Sink
 from consumer.observability import instruments
 from consumer.runtime.backoff import Backoff
 from consumer.runtime.config import RuntimeConfig
+from consumer.runtime.filtering import EntryFilter
 from consumer.runtime.pipeline import Pipeline
 from consumer.runtime.settle import Settler
 from consumer.runtime.stats import RuntimeStats, delivery_health
@@ -47,9 +48,15 @@ class ConsumerRuntime:
         lock: LeaderLock,
         listener: NotifyListener | None,
         config: RuntimeConfig,
+        entry_filter: EntryFilter | None = None,
     ) -> None:
         self.consumer = consumer
         self.store = store
+        # The entries it does not send (None: it sends every one).
+        self.entry_filter = entry_filter
+        # This database's node name, read once at start (run): the origin its reads give the
+        # entries of changes made here. None while the node is unnamed.
+        self.local_node: str | None = None
         # Read at the start of every lead: a sink replaced before then delivers that lead.
         self.sink = sink
         self.lock = lock
@@ -77,6 +84,7 @@ class ConsumerRuntime:
             # Every reason exported from the start (at 0), so rates and alerts see the first one.
             instruments.DELIVERY_FAILURES.add(0, {"consumer": self.consumer, "reason": failure})
         await steps.with_db_retry(lambda: self.store.ensure_consumer(self.consumer))
+        self.local_node = await steps.with_db_retry(self.store.node_name)
         await self.sink.start()
         try:
             while not steps.stop_event.is_set():
@@ -158,7 +166,12 @@ class ConsumerRuntime:
         watchdog = asyncio.create_task(self._watch_lock(), name=f"watch:{self.consumer}")
         try:
             settler = Settler(
-                self.consumer, self.sink, config=self.config, stats=self.stats, steps=steps
+                self.consumer,
+                self.sink,
+                config=self.config,
+                stats=self.stats,
+                steps=steps,
+                entry_filter=self.entry_filter,
             )
             pipeline = Pipeline(
                 self.consumer,
@@ -169,6 +182,7 @@ class ConsumerRuntime:
                 config=self.config,
                 stats=self.stats,
                 steps=steps,
+                local_node=self.local_node,
             )
             await pipeline.drain(position)
             with contextlib.suppress(psycopg.Error):

@@ -1,4 +1,5 @@
-"""frontend-sync: POST each batch as JSON to the frontend's /api/ingest/sync."""
+"""The JSON sync: POST each batch as JSON to a receiver's /api/ingest/sync. frontend-sync delivers
+through it to FRONTEND_BASE_URL, and so does every declared consumer of sink "json" to its url."""
 
 from __future__ import annotations
 
@@ -18,9 +19,18 @@ class FrontendSyncSink(HttpSink):
     name = "frontend-sync"
 
     def __init__(
-        self, base_url: str, *, timeout_sec: float, shared_secret: str | None = None
+        self,
+        base_url: str,
+        *,
+        timeout_sec: float,
+        shared_secret: str | None = None,
+        name: str | None = None,
     ) -> None:
         super().__init__(timeout_sec)
+        if name is not None:
+            # The consumer's name: it starts each Idempotency-Key, so two consumers posting to
+            # one receiver never send the same key for different batches.
+            self.name = name
         self.url = base_url.rstrip("/") + SYNC_PATH
         self._secret = shared_secret
 

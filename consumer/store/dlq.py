@@ -89,6 +89,9 @@ class DlqMessage:
     created_at: datetime
     updated_at: datetime
     last_retry_at: datetime | None
+    # The origin the event was delivered with (the node where its change was first made; this
+    # node's name for a change made here once the node is named); None when it had none.
+    origin: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape of the admin API and `dlq ... --json`: one message with its delivery
@@ -111,6 +114,7 @@ class DlqMessage:
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
             "last_retry_at": _iso(self.last_retry_at),
+            "origin": self.origin,
         }
 
 
@@ -168,6 +172,7 @@ def park_parameters(parked: Sequence[DeadLetter]) -> dict[str, list[Any]]:
         "created_ats": [],
         "codes": [],
         "messages": [],
+        "origins": [],
     }
     for letter in parked:
         entry = json_members(letter.entry_json.decode())
@@ -179,6 +184,7 @@ def park_parameters(parked: Sequence[DeadLetter]) -> dict[str, list[Any]]:
         columns["created_ats"].append(JSON_TEXT.decode(entry.get("createdAt", "null")))
         columns["codes"].append(safe_error(letter.code)[:MAX_CODE_CHARS])
         columns["messages"].append(safe_error(letter.message)[:MAX_ERROR_CHARS])
+        columns["origins"].append(JSON_TEXT.decode(entry.get("origin", "null")))
     return columns
 
 
@@ -267,9 +273,14 @@ class DlqStore:
             raise DlqNotFoundError(f"no dead letter with id {message_id}")
         return found
 
-    async def claim(self, message_id: uuid.UUID) -> ClaimedMessage:
+    async def claim(
+        self, message_id: uuid.UUID, *, local_node: str | None = None
+    ) -> ClaimedMessage:
         """Mark the message RETRYING, count the retry and stamp last_retry_at; with the event to
         deliver, in the wire format exactly as stored.
+
+        The entry keeps the origin it was parked with; one parked without an origin takes this
+        node's name, `local_node` or else read from the database (as read_batch's entries do).
 
         DlqNotFoundError for an unknown id; DlqConflictError for a RESOLVED or DEAD message, or
         one whose retries are used up (max_retries 0 parks events that may not be retried).
@@ -289,8 +300,11 @@ class DlqStore:
                     f"dead letter {message_id} has used all {max_retries} of its retries"
                 )
             claimed = await self._one(conn, "dlq_claim", {"id": message_id})
-        # The row is locked: it cannot have gone.
-        assert claimed is not None
+            # The row is locked: it cannot have gone.
+            assert claimed is not None
+            if claimed.origin is None and local_node is None:
+                row = await (await conn.execute("SELECT sync.node_name()")).fetchone()
+                local_node = row[0] if row else None
         entry = (
             claimed.seq,
             claimed.op,
@@ -298,6 +312,7 @@ class DlqStore:
             claimed.entity_id,
             claimed.payload,
             claimed.event_created_at,
+            claimed.origin,
         )
         batch = Batch(
             count=1,
@@ -305,7 +320,7 @@ class DlqStore:
             end=Position.start(),
             min_seq=claimed.seq,
             max_seq=claimed.seq,
-            entries_json=encode_entries([entry]),
+            entries_json=encode_entries([entry], local_node=local_node),
         )
         return ClaimedMessage(claimed, batch)
 

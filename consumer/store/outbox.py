@@ -46,8 +46,20 @@ class OutboxStore:
     def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
         self._pool = pool
 
-    async def read_batch(self, after: Position, limit: int) -> ReadResult:
-        """Up to `limit` events after `after` whose transactions have all ended (gap-safe)."""
+    async def node_name(self) -> str | None:
+        """This database's node name (sync.node_name(); None while unnamed): what the entries of
+        changes made here carry as their origin (read_batch's `local_node`)."""
+        async with self._pool.connection() as conn:
+            row = await (await conn.execute("SELECT sync.node_name()")).fetchone()
+        return row[0] if row else None
+
+    async def read_batch(
+        self, after: Position, limit: int, *, local_node: str | None = None
+    ) -> ReadResult:
+        """Up to `limit` events after `after` whose transactions have all ended (gap-safe).
+
+        `local_node` is this node's name (node_name()): the origin the entries of changes made
+        here carry; None leaves it out of them."""
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 query("read_batch"),
@@ -66,7 +78,7 @@ class OutboxStore:
             end=Position(int(last[1]), last[2]),
             min_seq=min(seqs),
             max_seq=max(seqs),
-            write_entries=functools.partial(encode_entries, rows),
+            write_entries=functools.partial(encode_entries, rows, local_node=local_node),
         )
         return ReadResult(batch, held_back)
 

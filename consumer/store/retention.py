@@ -13,6 +13,10 @@ transactions matter for consumers too: a deleting transaction holds an xid, and 
 every consumer's read horizon waits behind it (docs/design.md, the gap-safety proof).
 
 Parked events do not pin outbox rows: sync.dlq_messages keeps its own copy of each entry.
+
+The idempotency keys of sync.enqueue go with the outbox rows of the same age: a key taken before
+the cutoff is deleted, so a request repeated after the retention is an event again. Keys do not
+wait for consumers: a key only stops a repeat, and the event it let through has its own row.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ __all__ = [
     "DEAD_LETTERS",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_RETENTION",
+    "ENQUEUE_KEYS",
     "MAX_BATCH_SIZE",
     "MAX_RETENTION",
     "OUTBOX",
@@ -77,6 +82,7 @@ MAX_RETENTION = timedelta(days=36_500)
 
 OUTBOX = "sync.events_outbox"
 DEAD_LETTERS = "sync.dlq_messages"
+ENQUEUE_KEYS = "sync.enqueue_keys"
 
 _DURATION = re.compile(r"^\s*(\d{1,12})\s*([smhd]?)\s*$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
@@ -149,6 +155,10 @@ class CleanupReport:
     dlq_resolved_old: int = 0
     dlq_deleted: int = 0
     dlq_batches: int = 0
+    # Idempotency keys of sync.enqueue taken before the cutoff, and how many went.
+    enqueue_keys_old: int = 0
+    enqueue_keys_deleted: int = 0
+    enqueue_keys_batches: int = 0
     lagging: list[LaggingConsumer] = field(default_factory=list)
 
     @property
@@ -165,17 +175,20 @@ class CleanupReport:
         else:
             outbox, dlq = self.outbox_deleted, self.dlq_deleted
             head, verb, keep = "cleanup", "deleted", "kept"
+        keys = self.enqueue_keys_old if self.dry_run else self.enqueue_keys_deleted
+        # Said only when there are any: most databases never enqueue with a key.
+        keys_text = f" and {keys} idempotency key(s)" if keys else ""
         if self.consumers == 0:
             would = "would be" if self.dry_run else "was"
             return (
                 f"{head}: no consumer is registered, so no outbox row {would} deleted "
                 f"({self.outbox_old} {age}; a consumer registered later starts from the "
-                f"beginning); {verb} {dlq} resolved dead letter(s) {age}"
+                f"beginning); {verb} {dlq} resolved dead letter(s){keys_text} {age}"
             )
         text = (
             f"{head}: {verb} {outbox} outbox row(s) {age}"
             f"{'' if self.dry_run else f' in {self.outbox_batches} batch(es)'}"
-            f" and {dlq} resolved dead letter(s)"
+            f" and {dlq} resolved dead letter(s){keys_text}"
         )
         if self.lagging:
             names = ", ".join(c.consumer for c in self.lagging)
@@ -204,6 +217,11 @@ class CleanupReport:
                 "resolved_old": self.dlq_resolved_old,
                 "deleted": self.dlq_deleted,
                 "batches": self.dlq_batches,
+            },
+            "enqueue_keys": {
+                "old": self.enqueue_keys_old,
+                "deleted": self.enqueue_keys_deleted,
+                "batches": self.enqueue_keys_batches,
             },
             "lagging": [c.to_dict() for c in self.lagging],
         }
@@ -254,6 +272,7 @@ async def cleanup(
             if report.consumers:
                 await _delete_outbox(conn, report)
             await _delete_dead_letters(conn, report)
+            await _delete_enqueue_keys(conn, report)
         finally:
             # A broken connection has released the lock with its session already.
             with contextlib.suppress(psycopg.Error):
@@ -278,6 +297,8 @@ async def _plan(conn: psycopg.AsyncConnection[Any], report: CleanupReport) -> No
         plan = await cur.fetchone()
     assert plan is not None
     row = await (await conn.execute(query("retention_dlq_count"), params)).fetchone()
+    keys = await (await conn.execute(query("retention_enqueue_keys_count"), params)).fetchone()
+    report.enqueue_keys_old = int(keys[0]) if keys else 0
     report.consumers = len(needs)
     report.outbox_old = int(plan["old_rows"])
     report.outbox_passed = int(plan["passed_rows"])
@@ -346,19 +367,34 @@ async def _delete_outbox(conn: psycopg.AsyncConnection[Any], report: CleanupRepo
 
 
 async def _delete_dead_letters(conn: psycopg.AsyncConnection[Any], report: CleanupReport) -> None:
+    deleted, batches = await _delete_in_batches(conn, report, "retention_delete_dlq", DEAD_LETTERS)
+    report.dlq_deleted, report.dlq_batches = deleted, batches
+
+
+async def _delete_enqueue_keys(conn: psycopg.AsyncConnection[Any], report: CleanupReport) -> None:
+    deleted, batches = await _delete_in_batches(
+        conn, report, "retention_delete_enqueue_keys", ENQUEUE_KEYS
+    )
+    report.enqueue_keys_deleted, report.enqueue_keys_batches = deleted, batches
+
+
+async def _delete_in_batches(
+    conn: psycopg.AsyncConnection[Any], report: CleanupReport, name: str, table: str
+) -> tuple[int, int]:
+    """Run the batch delete `name` until a batch comes back short; the rows deleted and the
+    batches that deleted any."""
+    total = batches = 0
     while True:
-        cur = await conn.execute(
-            query("retention_delete_dlq"), {"cutoff": report.cutoff, "limit": report.batch_size}
-        )
+        cur = await conn.execute(query(name), {"cutoff": report.cutoff, "limit": report.batch_size})
         row = await cur.fetchone()
         deleted = int(row[0]) if row else 0
         if not deleted:
-            return
-        report.dlq_batches += 1
-        report.dlq_deleted += deleted
-        _log_batch(DEAD_LETTERS, report.dlq_batches, deleted, report.dlq_deleted)
+            return total, batches
+        batches += 1
+        total += deleted
+        _log_batch(table, batches, deleted, total)
         if deleted < report.batch_size:
-            return
+            return total, batches
 
 
 def _log_batch(table: str, batch: int, deleted: int, total: int) -> None:

@@ -1,10 +1,11 @@
 -- serversync's schema, sync, as it stands after every migration: the file to read.
 --
 -- It holds the outbox, the consumers' positions and leadership, the wake-up, the dead-letter
--- queue, and the roles and grants that keep producers out of all of it; then, through psql's
--- \ir, the function files of the relay (functions/relay.sql: its helpers and the view of what
--- is tracked; functions/track.sql: sync.track, which generates the relay of a table, and
--- sync.untrack), each of which lives in that one file only.
+-- queue, this node's name and the row versions of tables tracked both ways, and the roles and
+-- grants that keep producers out of all of it; then, through psql's \ir, the function files
+-- (functions/enqueue.sql: sync.enqueue, an event that is not a row; functions/relay.sql: the
+-- relay's helpers and the view of what is tracked; functions/track.sql: sync.track, which
+-- generates the relay of a table, and sync.untrack), each of which lives in that one file only.
 --
 -- Databases are made by `serversync migrate` (versioned migrations, then the function files;
 -- consumer/store/migrations.py), not from this file, and serversync's bookkeeping table
@@ -43,6 +44,12 @@ CREATE TABLE sync.events_outbox (
     entity_id   text        NOT NULL,
     payload     json        NOT NULL,
     created_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- NULL: the change was made on this node; else the node where it was first made. A
+    -- receiver applies a batch in one transaction and says whose changes it applies with
+    -- set_config('serversync.origin', NODE, true): every relay writing the outbox inside that
+    -- transaction, the one-way templates included, records it through this default. The
+    -- setting reads '' once a transaction that set it has ended, hence nullif.
+    origin      text        DEFAULT nullif(current_setting('serversync.origin', true), ''),
     PRIMARY KEY (txid, seq)
 );
 
@@ -146,6 +153,8 @@ CREATE TABLE sync.dlq_messages (
     created_at    timestamptz NOT NULL DEFAULT now(),
     updated_at    timestamptz NOT NULL DEFAULT now(),
     last_retry_at timestamptz,
+    -- The origin the event was delivered with (sync.events_outbox.origin), kept for its retry.
+    origin        text,
     -- A batch replayed after a crash parks the same event again: once is enough.
     UNIQUE (consumer, seq)
 );
@@ -164,6 +173,73 @@ $$;
 
 CREATE TRIGGER dlq_messages_updated_at BEFORE UPDATE ON sync.dlq_messages
 FOR EACH ROW EXECUTE FUNCTION sync.touch_updated_at();
+
+-- == The node ===================================================================================
+-- This database's name among the nodes that exchange changes: what an entry's origin says and
+-- a row version's node, and what a consumer's target node is compared with to send no change
+-- back where it came from. One row at most (the primary key is the constant true); no row: the
+-- node is unnamed, as every database was before, and one-way tables work as they did. The name
+-- follows the rule of a consumer's name.
+CREATE TABLE sync.node (
+    one_row boolean PRIMARY KEY DEFAULT true CHECK (one_row),
+    name    text    NOT NULL CHECK (name ~ '^[a-z][a-z0-9_-]{0,62}$')
+);
+
+-- NULL while the node is unnamed. Whoever may use the schema sync may read the name (every
+-- entry this node sends carries it), a consumer's role included, without a grant on the table:
+-- SECURITY DEFINER, with a search_path no caller can change.
+CREATE FUNCTION sync.node_name() RETURNS text
+LANGUAGE sql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT n.name FROM sync.node n
+$$;
+
+-- `serversync migrate --node NAME`. Renaming a node is allowed: versions written before keep
+-- the name they were written with, which still orders them (a version names the node that made
+-- it, not the node that holds it).
+CREATE FUNCTION sync.set_node_name(name text) RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF name IS NULL OR name !~ '^[a-z][a-z0-9_-]{0,62}$' THEN
+        RAISE EXCEPTION 'sync.set_node_name: % is not a node name (a lowercase letter, then up '
+                        'to 62 lowercase letters, digits, _ or -)', quote_nullable(name)
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO sync.node AS n (one_row, name) VALUES (true, set_node_name.name)
+    ON CONFLICT (one_row) DO UPDATE SET name = EXCLUDED.name;
+END;
+$$;
+
+REVOKE EXECUTE ON FUNCTION sync.set_node_name(text) FROM PUBLIC;
+
+-- == Row versions ===============================================================================
+-- The version of the last change of each row of a table tracked both ways (sync.track's
+-- both_ways), and the receiver's guard for every entity type it maps into a table: no column is
+-- added to a user's table. A version is (version_ts, version_node), compared timestamps first,
+-- then node names in byte order (hence COLLATE "C" on the key too: one order on every node);
+-- the greater one wins. A local change gets greatest(clock_timestamp(), stored version_ts + 1
+-- microsecond), so it follows every version this node has seen of the row; an applied change
+-- keeps the version it came with. A delete is a version too (deleted), so an older upsert that
+-- arrives late does not bring the row back.
+CREATE TABLE sync.row_versions (
+    entity_type  text        COLLATE "C" NOT NULL,
+    entity_id    text        COLLATE "C" NOT NULL,
+    version_ts   timestamptz NOT NULL,
+    version_node text        NOT NULL,
+    deleted      boolean     NOT NULL DEFAULT false,
+    PRIMARY KEY (entity_type, entity_id)
+);
+
+-- == Idempotency keys of sync.enqueue ===========================================================
+-- A key given to sync.enqueue is taken here, in the caller's transaction, and a second enqueue
+-- with the same key writes nothing; `serversync cleanup` removes keys with the outbox rows of
+-- the same age.
+CREATE TABLE sync.enqueue_keys (
+    idempotency_key text        COLLATE "C" PRIMARY KEY,
+    created_at      timestamptz NOT NULL DEFAULT now()
+);
 
 -- == Roles and grants ===========================================================================
 -- A producer needs no privilege on the schema sync: the relay's generated functions are
@@ -223,6 +299,44 @@ BEGIN
 END
 $grants$;
 
+-- serversync_producer: the role allowed to call sync.enqueue (functions/enqueue.sql grants
+-- EXECUTE to it alone). An event is delivered as trusted data, signed by the consumer, so
+-- writing one is a privilege an application role is given on purpose (GRANT
+-- serversync_producer TO app_role), never PUBLIC's. NOLOGIN, created when missing as
+-- serversync_relay is (0001_baseline.sql); where the migrating role may not create it, sync.enqueue
+-- is callable by its owner only, and a NOTICE says so.
+DO $role$
+BEGIN
+    IF to_regrole('serversync_producer') IS NULL THEN
+        BEGIN
+            CREATE ROLE serversync_producer NOLOGIN;
+        EXCEPTION
+            WHEN duplicate_object OR unique_violation THEN
+                NULL;  -- the migration of another database of the cluster made it meanwhile
+            WHEN insufficient_privilege THEN
+                RAISE NOTICE 'serversync: % may not create roles, and role serversync_producer '
+                             'is missing: sync.enqueue is for its owner only (docs/security.md, '
+                             'Roles and grants)', current_user;
+        END;
+    END IF;
+END
+$role$;
+
+-- A producer finds sync.enqueue by its name (USAGE on the schema, which grants no table), and
+-- the relay's functions read and write what the both-ways templates and sync.enqueue use.
+DO $grants$
+BEGIN
+    IF to_regrole('serversync_producer') IS NOT NULL THEN
+        GRANT USAGE ON SCHEMA sync TO serversync_producer;
+    END IF;
+    IF to_regrole('serversync_relay') IS NOT NULL THEN
+        GRANT SELECT ON sync.node TO serversync_relay;
+        GRANT SELECT, INSERT, UPDATE ON sync.row_versions TO serversync_relay;
+        GRANT INSERT ON sync.enqueue_keys TO serversync_relay;
+    END IF;
+END
+$grants$;
+
 -- No one but the outbox's owner and serversync_relay writes the outbox, takes its positions or
 -- adds a trigger to it (a trigger on the outbox runs as the role that inserts, the relay's).
 -- USAGE on the count of waiting consumers would let a role call nextval() on it and make every
@@ -259,5 +373,6 @@ END
 $revoke$;
 
 -- == The relay ==================================================================================
+\ir functions/enqueue.sql
 \ir functions/relay.sql
 \ir functions/track.sql

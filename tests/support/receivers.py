@@ -11,7 +11,7 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,9 +300,9 @@ class CountingStore(EntityStore):
         super().__init__(*args, **kwargs)
         self.applied: list[int] = []
 
-    async def apply(self, body: bytes) -> int:
+    async def apply(self, body: bytes, entries: Sequence[Mapping[str, Any]] = ()) -> int:
         """EntityStore.apply, recorded."""
-        changed = await super().apply(body)
+        changed = await super().apply(body, entries)
         self.applied.append(changed)
         return changed
 

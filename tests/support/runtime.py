@@ -82,9 +82,11 @@ class WatchedStore(OutboxStore):
         self.held_back_reads = 0
         self.last: ReadResult | None = None
 
-    async def read_batch(self, after: Position, limit: int) -> ReadResult:
+    async def read_batch(
+        self, after: Position, limit: int, *, local_node: str | None = None
+    ) -> ReadResult:
         """OutboxStore.read_batch, counted."""
-        result = await super().read_batch(after, limit)
+        result = await super().read_batch(after, limit, local_node=local_node)
         self.reads += 1
         self.full_reads += result.batch is not None and result.batch.count == limit
         self.held_back_reads += result.held_back

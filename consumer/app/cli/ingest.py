@@ -17,6 +17,11 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--host", help="address to bind (INGEST_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (INGEST_PORT, default 8080)")
     p.add_argument(
+        "--mapping",
+        metavar="FILE",
+        help="apply the entity types it maps into tables (INGEST_MAPPING_FILE; TOML)",
+    )
+    p.add_argument(
         "--insecure",
         action="store_true",
         help="accept unsigned requests when SYNC_SHARED_SECRET is not set (demos only)",
@@ -25,12 +30,14 @@ def register(sub: Subparsers) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    """Serve; the options override INGEST_HOST and INGEST_PORT."""
+    """Serve; the options override INGEST_HOST, INGEST_PORT and INGEST_MAPPING_FILE."""
     overrides: dict[str, Any] = {}
     if args.host:
         overrides["INGEST_HOST"] = args.host
     if args.port is not None:
         overrides["INGEST_PORT"] = args.port
+    if args.mapping:
+        overrides["INGEST_MAPPING_FILE"] = args.mapping
     receiver = load(ReceiverSettings, **overrides)
     setup_logging(receiver.log_level, args.log_format)
     telemetry = setup_telemetry("serversync-ingest")

@@ -1,4 +1,6 @@
-"""`serversync run CONSUMER`: one consumer process, until SIGTERM or SIGINT."""
+"""`serversync run CONSUMER`: one consumer process, built in or declared in SYNC_CONSUMERS_FILE,
+until SIGTERM or SIGINT (an unknown name, or a declaration that is wrong, exits 2 with one
+line)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,12 @@ from consumer.observability.telemetry import setup_telemetry
 def register(sub: Subparsers) -> None:
     """Add `run` to the command line."""
     p = sub.add_parser("run", help="run a consumer until SIGTERM/SIGINT")
-    p.add_argument("consumer", choices=CONSUMERS)
+    p.add_argument(
+        "consumer",
+        metavar="CONSUMER",
+        # Not argparse's choices: a declared name is known only once the settings are read.
+        help=f"{', '.join(CONSUMERS)}, or a consumer declared in SYNC_CONSUMERS_FILE",
+    )
     p.add_argument(
         "--sink",
         choices=SINKS,

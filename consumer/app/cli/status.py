@@ -27,10 +27,11 @@ from consumer.store import admin
 # What an operator does about each kind of failing streak.
 FAILING_HINTS = {
     "receiver_unavailable": "The receiver is down, busy or unreachable: check it and the network "
-    "to FRONTEND_BASE_URL; delivery resumes by itself.",
+    "to FRONTEND_BASE_URL, or a declared consumer's url; delivery resumes by itself.",
     "wrong_destination": "The receiver refuses who we are or where we send (401/403: "
-    "SYNC_SHARED_SECRET differs or the clocks are over 5 minutes apart; 404/405/3xx: "
-    "FRONTEND_BASE_URL points at the wrong place). Fix the setting; delivery resumes by itself.",
+    "SYNC_SHARED_SECRET differs, or a declared consumer's secret, or the clocks are over 5 "
+    "minutes apart; 404/405/3xx: FRONTEND_BASE_URL, or a declared consumer's url, points at the "
+    "wrong place). Fix the setting; delivery resumes by itself.",
     "internal_error": "The consumer failed on this batch: see its log (journalctl -u "
     "serversync@CONSUMER) for the traceback.",
 }

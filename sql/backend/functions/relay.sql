@@ -203,16 +203,21 @@ END;
 $$;
 
 -- What is tracked, for operators and for regenerating the relays: table, entity type, key
--- column, read back from the arguments every relay trigger carries. It cuts the bytes of tgargs
--- at their NUL bytes (no name can hold one) and decodes each part as it is, in the database's
--- encoding, so any legal name comes back as it was given. A partition of a tracked partitioned
--- table holds a clone of its parent's trigger (tgparentid set): the table tracked is the parent.
+-- column, and whether the table is tracked both ways, read back from the arguments every relay
+-- trigger carries. It cuts the bytes of tgargs at their NUL bytes (no name can hold one) and
+-- decodes each part as it is, in the database's encoding, so any legal name comes back as it was
+-- given. A partition of a tracked partitioned table holds a clone of its parent's trigger
+-- (tgparentid set): the table tracked is the parent.
 CREATE OR REPLACE VIEW sync.tracked_tables AS
 SELECT t.tgrelid::regclass AS table_name,
        convert_from(substr(t.tgargs, 1, cut.at - 1), getdatabaseencoding()) AS entity_type,
-       convert_from(substr(t.tgargs, cut.at + 1, length(t.tgargs) - cut.at - 1),
-                    getdatabaseencoding()) AS key_column
+       convert_from(substr(rest.args, 1, position(decode('00', 'hex') IN rest.args) - 1),
+                    getdatabaseencoding()) AS key_column,
+       t.tgnargs = 3 AS both_ways
 FROM pg_trigger t
-     -- tgargs: the entity type, NUL, the key column, NUL (every relay trigger has these two).
+     -- tgargs: the entity type, NUL, the key column, NUL, and for a table tracked both ways
+     -- 'both_ways', NUL.
      CROSS JOIN LATERAL (SELECT position(decode('00', 'hex') IN t.tgargs) AS at) cut
-WHERE t.tgname = 'sync_relay' AND NOT t.tgisinternal AND t.tgparentid = 0 AND t.tgnargs = 2;
+     CROSS JOIN LATERAL (SELECT substr(t.tgargs, cut.at + 1) AS args) rest
+WHERE t.tgname = 'sync_relay' AND NOT t.tgisinternal AND t.tgparentid = 0
+  AND t.tgnargs IN (2, 3);

@@ -5,7 +5,7 @@
 -- tracked table again, so a change here reaches every table at the next migrate. Every statement
 -- may run again on a database that has it: CREATE OR REPLACE, with the signatures it has.
 --
--- What sync.track(table, entity type, key column) makes for a table, and why:
+-- What sync.track(table, entity type, key column, both ways) makes for a table, and why:
 -- * Its own trigger functions, sync.relay_<oid> (upserts), sync.relay_delete_<oid> (deletes) and
 --   sync.rekey_<oid> (a changed key), named by the table's oid so a renamed table keeps them.
 --   The entity type is a constant in them and the key is read straight from the row, so each
@@ -25,7 +25,25 @@
 --   Row triggers fire before statement triggers, so the old key's delete precedes the new key's
 --   upsert. It runs at the end of the statement and sends the delete only if no row holds the
 --   old key by then: keys swapped within one statement are two upserts.
--- * Every trigger carries (entity type, key column) as arguments: sync.tracked_tables reads them.
+-- * Every trigger carries (entity type, key column) as arguments, and 'both_ways' as a third
+--   for a table tracked both ways: sync.tracked_tables reads them.
+--
+-- Both ways (sync.track(..., both_ways => true); 0002_both_directions.sql): a table edited here
+-- and on another node, whose changes travel both ways. Its relay versions every changed row in
+-- sync.row_versions, in one statement per trigger call (both_ways_insert below):
+-- * a local edit takes the hybrid clock, greatest(clock_timestamp(), the stored version + 1
+--   microsecond), with this node's name: it follows every version of the row this node has
+--   seen, even one from a node whose clock runs ahead, and two changes of a row in one
+--   transaction get two increasing versions. The outbox row's created_at is that version, its
+--   origin NULL.
+-- * inside a receiver's apply (the setting serversync.applying is 'on' in its transaction), the
+--   receiver wrote the row's version first: the change goes on with that version as created_at
+--   and its node as origin, so the next node orders it as the first one did. A row the apply
+--   wrote no version for (a change made by a trigger of the user's) is a local edit.
+-- * a delete is a version too (deleted = true), and so is the old key of a changed key.
+-- It needs this node's name (sync.node). It costs what one-way tables do not pay: a version
+-- row's upsert per changed row, and a statement with four parts; one-way tables keep their
+-- templates, and learn an apply's origin from the outbox column's default.
 --
 -- Least privilege. The generated functions are SECURITY DEFINER with `SET search_path =
 -- pg_catalog, pg_temp` (PostgreSQL's "Writing SECURITY DEFINER Functions Safely"), every object
@@ -52,9 +70,12 @@
 --   to a table of their own.
 --
 -- What it costs. Instructions the relay adds to a single-row statement that is its own
--- transaction (`python -m bench instructions`, bigint key; thousands), as a superuser and as a
--- producer role: INSERT 110.3 and 114.1, UPDATE 107.7 and 108.8, against 125.1 and 166.3 for the
--- untracked statement. SECURITY DEFINER costs ~10k of that (the user id switch and a search path
+-- transaction (`python -m bench instructions`, bigint key; thousands), as a superuser: INSERT
+-- 115.9, UPDATE 113.3, against 125.1 and 166.3 for the untracked statement (as a producer role,
+-- measured before the outbox had an origin: INSERT 114.1, UPDATE 108.8, each ~3.8k and ~1.1k over
+-- the superuser's). The origin column's default costs ~5.6k of it, in every outbox row; the
+-- design keeps it, as the one way a one-way relay learns an apply's origin without a branch of
+-- its own. SECURITY DEFINER costs ~10k (the user id switch and a search path
 -- computed again), the SET clause ~8.5k more on PostgreSQL 15 (AtEOXact_GUC walks every
 -- setting; 16 restores only those a function changed). The SET clause stays: without it the
 -- relay's safety would rest on every name in what sync.track generates, now and later, being
@@ -63,7 +84,8 @@
 CREATE OR REPLACE FUNCTION sync.track(
     target      regclass,
     entity_type text,
-    key_column  text DEFAULT 'id'
+    key_column  text DEFAULT 'id',
+    both_ways   boolean DEFAULT false
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -81,6 +103,45 @@ DECLARE
                     PERFORM pg_notify('sync_outbox', '');  -- a wake-up only: no event data
                 END IF;
             END IF;$wake$;
+    -- The outbox INSERT of a table tracked both ways (the head comment, Both ways): %1$L the
+    -- operation, %2$L the entity type, %4$s the key, %5$s the payload, %6$s whether the version
+    -- is a delete, %7$s the FROM clause of the changed rows (none in a row trigger, whose row is
+    -- NEW or OLD), %8$s when the version the receiver wrote is taken (never, in the rekey check:
+    -- a receiver's apply changes no key). One statement, so that FOUND says whether it wrote.
+    both_ways_insert text := $insert$
+            WITH changed AS MATERIALIZED (
+                SELECT (%4$s) COLLATE pg_catalog."C" AS entity_id, %5$s AS payload%7$s
+            ), applied AS MATERIALIZED (
+                -- The receiver's apply: it wrote each row's version first, and the change goes
+                -- on with that version and the node it came from.
+                SELECT v.entity_id, v.version_ts, v.version_node
+                  FROM sync.row_versions AS v
+                 WHERE %8$s
+                   AND v.entity_type = %2$L
+                   AND v.entity_id IN (SELECT c.entity_id FROM changed AS c)
+            ), made_here AS (
+                -- A local edit (or a row an apply wrote no version for): the hybrid clock,
+                -- after every version of the row this node has seen.
+                INSERT INTO sync.row_versions AS v
+                       (entity_type, entity_id, version_ts, version_node, deleted)
+                SELECT %2$L, d.entity_id, pg_catalog.clock_timestamp(),
+                       (SELECT n.name FROM sync.node AS n), %6$s
+                  FROM (SELECT DISTINCT c.entity_id FROM changed AS c
+                         WHERE c.entity_id NOT IN (SELECT a.entity_id FROM applied AS a)) AS d
+                ON CONFLICT (entity_type, entity_id) DO UPDATE
+                   SET version_ts = GREATEST(EXCLUDED.version_ts,
+                                             v.version_ts + interval '1 microsecond'),
+                       version_node = EXCLUDED.version_node,
+                       deleted = EXCLUDED.deleted
+                RETURNING v.entity_id, v.version_ts, NULL::text AS version_node
+            )
+            INSERT INTO sync.events_outbox
+                   (op, entity_type, entity_id, payload, created_at, origin)
+            SELECT %1$L, %2$L, c.entity_id, c.payload, w.version_ts, w.version_node
+              FROM changed AS c
+                   JOIN (SELECT * FROM applied UNION ALL SELECT * FROM made_here) AS w
+                     ON w.entity_id = c.entity_id;$insert$;
+    applying text := $applying$pg_catalog.current_setting('serversync.applying', true) = 'on'$applying$;
     -- Every generated function runs as its owner, with a search_path no caller can change.
     create_function text := 'CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql '
                             'SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS %L';
@@ -101,7 +162,12 @@ DECLARE
     old_row text;
     body text;
     refusal text[];
+    payload_of text;
+    changed_rows text;
+    rekey_delete text;
+    both_ways_argument text := '';
 BEGIN
+    both_ways := coalesce(both_ways, false);
     IF entity_type IS NULL OR entity_type !~ '^[A-Za-z_][A-Za-z0-9_.-]{0,127}$' THEN
         RAISE EXCEPTION 'sync.track: entity type % is not an identifier', quote_literal(entity_type)
             USING ERRCODE = 'invalid_parameter_value';
@@ -114,6 +180,14 @@ BEGIN
       INTO qualified, table_schema, partitioned, table_owner
       FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
      WHERE c.oid = target;
+    -- A version names the node that made it: a table edited here and elsewhere needs a name.
+    IF both_ways AND sync.node_name() IS NULL THEN
+        RAISE EXCEPTION 'sync.track: table % cannot be tracked both ways: this database has no '
+                        'node name', target
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'Name it with `serversync migrate --node NAME` (or SELECT '
+                         'sync.set_node_name(''NAME'')), then track the table again.';
+    END IF;
     -- Tracking decides which rows go out as which entity type, and grants the relay's role a
     -- column of the table: only the table's owner (or a role with its privileges) may do it.
     IF NOT pg_has_role(current_user, table_owner, 'USAGE') THEN
@@ -193,18 +267,53 @@ BEGIN
         new_row := 'r';
         old_row := 'r';
     END IF;
-    -- %1$L the operation, %2$L the entity type, %3$s the wake-up, %4$s the key, %5$s the row.
+    IF both_ways THEN
+        template := $body$#variable_conflict use_variable
+        BEGIN
+            -- Generated by sync.track (sql/backend/functions/track.sql), tracked both ways.$body$
+            || both_ways_insert || $body$%3$s
+            RETURN NULL;
+        END;
+        $body$;
+        both_ways_argument := ', ''both_ways''';
+    END IF;
+    IF partitioned THEN
+        payload_of := 'to_json(%s)';
+        changed_rows := '';
+    ELSE
+        payload_of := 'to_json(%s.*)';
+        changed_rows := ' FROM sync_changed_rows AS r';
+    END IF;
+    -- %1$L the operation, %2$L the entity type, %3$s the wake-up, %4$s the key, %5$s the row;
+    -- a table tracked both ways: %5$s its payload, %6$s .. %8$s (both_ways_insert).
     wake_up := format(wake_up, CASE WHEN partitioned THEN '' ELSE 'FOUND AND ' END);
     EXECUTE format(
         create_function, relay,
         format(template, 'upsert', entity_type, wake_up,
-               sync.relay_key_expression(target, key_column, new_row), new_row)
+               sync.relay_key_expression(target, key_column, new_row),
+               CASE WHEN both_ways THEN format(payload_of, new_row) ELSE new_row END,
+               'false', changed_rows, applying)
     );
     EXECUTE format(
         create_function, relay_delete,
         format(template, 'delete', entity_type, wake_up,
-               sync.relay_key_expression(target, key_column, old_row), old_row)
+               sync.relay_key_expression(target, key_column, old_row),
+               CASE WHEN both_ways THEN format(payload_of, old_row) ELSE old_row END,
+               'true', changed_rows, applying)
     );
+    -- The old key's delete: of a table tracked both ways, a version too.
+    IF both_ways THEN
+        rekey_delete := format(both_ways_insert, 'delete', entity_type, '',
+                               sync.relay_key_expression(target, key_column, 'OLD'),
+                               'to_json(OLD)', 'true', '', 'false');
+    ELSE
+        rekey_delete := format(
+            $insert$
+            INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
+            VALUES ('delete', %L, %s, to_json(OLD));$insert$,
+            entity_type, sync.relay_key_expression(target, key_column, 'OLD')
+        );
+    END IF;
     body := format(
         $body$#variable_conflict use_variable
         DECLARE
@@ -237,14 +346,11 @@ BEGIN
                 INTO key_taken USING OLD.%1$I;
             IF key_taken THEN
                 RETURN NULL;  -- another row took the old key in the same statement
-            END IF;
-            INSERT INTO sync.events_outbox (op, entity_type, entity_id, payload)
-            VALUES ('delete', %2$L, %5$s, to_json(OLD));
+            END IF;%5$s
             RETURN NULL;
         END;
         $body$,
-        key_column, entity_type, key_equals, target::oid,
-        sync.relay_key_expression(target, key_column, 'OLD')
+        key_column, entity_type, key_equals, target::oid, rekey_delete
     );
     EXECUTE format(create_function, rekey, body);
     -- No one calls them but their triggers: CREATE TRIGGER needs EXECUTE on the function, a
@@ -255,32 +361,32 @@ BEGIN
     IF partitioned THEN
         EXECUTE format(
             'CREATE TRIGGER sync_relay AFTER INSERT OR UPDATE ON %s '
-            'FOR EACH ROW EXECUTE FUNCTION %s(%L, %L)',
-            qualified, relay, entity_type, key_column
+            'FOR EACH ROW EXECUTE FUNCTION %s(%L, %L%s)',
+            qualified, relay, entity_type, key_column, both_ways_argument
         );
         EXECUTE format(
             'CREATE TRIGGER sync_relay_delete AFTER DELETE ON %s '
-            'FOR EACH ROW EXECUTE FUNCTION %s(%L, %L)',
-            qualified, relay_delete, entity_type, key_column
+            'FOR EACH ROW EXECUTE FUNCTION %s(%L, %L%s)',
+            qualified, relay_delete, entity_type, key_column, both_ways_argument
         );
     ELSE
         EXECUTE format(
             'CREATE TRIGGER sync_relay AFTER INSERT ON %s '
             'REFERENCING NEW TABLE AS sync_changed_rows '
-            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L)',
-            qualified, relay, entity_type, key_column
+            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L%s)',
+            qualified, relay, entity_type, key_column, both_ways_argument
         );
         EXECUTE format(
             'CREATE TRIGGER sync_relay_update AFTER UPDATE ON %s '
             'REFERENCING NEW TABLE AS sync_changed_rows '
-            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L)',
-            qualified, relay, entity_type, key_column
+            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L%s)',
+            qualified, relay, entity_type, key_column, both_ways_argument
         );
         EXECUTE format(
             'CREATE TRIGGER sync_relay_delete AFTER DELETE ON %s '
             'REFERENCING OLD TABLE AS sync_changed_rows '
-            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L)',
-            qualified, relay_delete, entity_type, key_column
+            'FOR EACH STATEMENT EXECUTE FUNCTION %s(%L, %L%s)',
+            qualified, relay_delete, entity_type, key_column, both_ways_argument
         );
     END IF;
     -- UPDATE OF the key column: an UPDATE that does not name the key skips the trigger before
@@ -376,7 +482,8 @@ BEGIN
 END;
 $$;
 
-REVOKE EXECUTE ON FUNCTION sync.track(regclass, text, text), sync.untrack(regclass) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION sync.track(regclass, text, text, boolean), sync.untrack(regclass)
+    FROM PUBLIC;
 
 -- Generate the relay of every tracked table again, as sync.track above makes it. A table that
 -- sync.track now refuses loses its relay, with a WARNING naming it, why, and the sync.track
@@ -387,18 +494,21 @@ DECLARE
     tracked record;
     refusal text[];
 BEGIN
-    FOR tracked IN SELECT table_name, entity_type, key_column FROM sync.tracked_tables LOOP
+    FOR tracked IN SELECT table_name, entity_type, key_column, both_ways
+                     FROM sync.tracked_tables LOOP
         refusal := sync.relay_refusal(tracked.table_name, tracked.key_column);
         IF refusal IS NULL THEN
-            PERFORM sync.track(tracked.table_name, tracked.entity_type, tracked.key_column);
+            PERFORM sync.track(tracked.table_name, tracked.entity_type, tracked.key_column,
+                               tracked.both_ways);
         ELSE
             PERFORM sync.untrack(tracked.table_name);
             RAISE WARNING 'serversync: table % is no longer tracked (entity type %): its changes '
                           'are NOT relayed from now on, and its relay was removed. %',
                           tracked.table_name, quote_literal(tracked.entity_type), refusal[1]
-                USING HINT = refusal[2] || format(' Then: SELECT sync.track(%L, %L, %L);',
+                USING HINT = refusal[2] || format(' Then: SELECT sync.track(%L, %L, %L, %L);',
                                                   tracked.table_name::text,
-                                                  tracked.entity_type, tracked.key_column);
+                                                  tracked.entity_type, tracked.key_column,
+                                                  tracked.both_ways);
         END IF;
     END LOOP;
 END
