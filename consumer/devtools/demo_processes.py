@@ -53,15 +53,22 @@ class DemoProcesses:
                 raise DemoCheckFailed(f"{name} exited with code {process.returncode}: {last}")
 
     async def wait_for(
-        self, check: Callable[[], Awaitable[bool]], timeout: float, what: str
+        self,
+        check: Callable[[], Awaitable[bool]],
+        timeout: float,
+        what: str,
+        *,
+        interval: float = 0.005,
     ) -> None:
-        """Poll `check` until it is true; fail on timeout or when a process has exited."""
+        """Poll `check` every `interval` seconds until it is true; fail on timeout or when a
+        process has exited. The default suits the timed waits (their milliseconds are shown);
+        a wait for processes to start polls less often, leaving the CPU to their start."""
         deadline = time.monotonic() + timeout
         while not await check():
             self.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out waiting for {what}")
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(interval)
 
     async def stop(self, names: list[str]) -> None:
         """SIGTERM, and SIGKILL whatever has not stopped 10 s later."""

@@ -21,7 +21,10 @@ import psycopg
 from consumer.devtools.demo_processes import DemoCheckFailed, DemoProcesses
 from consumer.store import admin
 
+# The consumers on the backend's database, delivering to the frontend's receiver.
 CONSUMERS = ("frontend-sync", "recording-upload")
+# The consumer declared on the frontend's database, delivering the settings to the backend.
+SETTINGS_CONSUMER = "settings-sync"
 # One note each of an A major chord (A4, C#5, E5), then around again for more recordings.
 TONES_HZ = (440.0, 554.37, 659.25)
 SAMPLE_RATE = 8000
@@ -302,12 +305,18 @@ async def check_recordings(run: DemoRun, count: int) -> None:
 
 
 async def zero_backlog(run: DemoRun) -> None:
-    """Wait until every consumer has caught up (recording-upload also passes the updates)."""
+    """Wait until every consumer of both databases has caught up (recording-upload also passes
+    the updates)."""
 
-    async def caught_up() -> bool:
-        rows = await admin.consumer_status(run.backend)
-        return {row["consumer"] for row in rows} >= set(CONSUMERS) and all(
+    async def caught_up(conn: psycopg.AsyncConnection[Any], names: set[str]) -> bool:
+        rows = await admin.consumer_status(conn)
+        return {row["consumer"] for row in rows} >= names and all(
             row["backlog"] == 0 for row in rows
         )
 
-    await run.processes.wait_for(caught_up, 10, "a zero backlog on every consumer")
+    async def both() -> bool:
+        return await caught_up(run.backend, set(CONSUMERS)) and await caught_up(
+            run.frontend, {SETTINGS_CONSUMER}
+        )
+
+    await run.processes.wait_for(both, 10, "a zero backlog on every consumer")
