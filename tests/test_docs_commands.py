@@ -112,9 +112,15 @@ def parses(parser: argparse.ArgumentParser, args: list[str]) -> str | None:
     return None
 
 
+ENV_ASSIGNMENT = re.compile(r"[A-Z_][A-Z0-9_]*=\S*")
+
+
 def problem(command: Command) -> str | None:
     """Why `command` is not a command the project has, or None."""
     argv = command.argv
+    # `NAME=value command ...`: the environment of one command, then the command.
+    while len(argv) > 1 and ENV_ASSIGNMENT.fullmatch(argv[0]):
+        argv = argv[1:]
     word = argv[0]
     if word.endswith("serversync"):
         return parses(build_parser(), argv[1:])
