@@ -12,8 +12,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import drain, instructions, latency, producer, report
+from bench import drain, instructions, latency, producer, receivers, report
 from bench.harness import bench_server, execute, fresh_databases, machine, produce_calls, progress
+
+
+def _receivers(value: str) -> tuple[str, ...]:
+    try:
+        return receivers.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{exc} (known: {', '.join(receivers.RECEIVERS)})"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +44,15 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--rounds",
             type=int,
-            help="producer: interleaved rounds, each figure their median (default 3, quick 2)",
+            help="producer and --receivers: interleaved rounds, each figure their median"
+            " (default 3, quick 2)",
+        )
+        p.add_argument(
+            "--receivers",
+            type=_receivers,
+            default=(),
+            help="drain: also drain a settings-like table's backlog of --events into these"
+            " receivers, e.g. generic,mapped (the table-mapping receiver beside the generic one)",
         )
         p.add_argument("--name", help="result file name (default: timestamp)")
         p.add_argument(
@@ -88,6 +105,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "poll_interval": args.poll_interval,
             "quick": quick,
             "rounds": rounds,
+            "receivers": list(args.receivers),
         },
     }
     workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
@@ -155,6 +173,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 seconds=max(2, round(seconds)),
                 rounds=rounds,
                 statements=2_000 if args.quick else 20_000,
+            )
+        if args.command in ("drain", "all") and args.receivers:
+            # Last: it empties the outbox and names the backend's node, which the other parts'
+            # figures were measured without.
+            result["drain"]["receivers"] = await receivers.compare(
+                env, events, args.batch_size, rounds, args.receivers
             )
     result["targets"] = report.targets(result)
     path = report.write(result, name, args.out)
@@ -225,6 +249,8 @@ def _summary(result: dict[str, Any]) -> str:
                     + ", ".join(f"{k} {v}" for k, v in f["cpu_us_per_event"].items())
                 )
         lines.append("  ratios: " + ", ".join(f"{k} {v}" for k, v in d["ratios"].items()))
+        if "receivers" in d:
+            lines.extend(_receivers_summary(d["receivers"]))
     for run in result.get("latency", []):
         lines.append(
             f"latency {run['mode']:9} at {run['achieved_rate']:,.0f}/s: p50 {run['p50_ms']} ms, "
@@ -270,6 +296,25 @@ def _summary(result: dict[str, Any]) -> str:
         mark = "ok  " if check["met"] else "MISS"
         lines.append(f"[{mark}] {key}: {check['measured']} (target {check['target']})")
     return "\n".join(lines)
+
+
+def _receivers_summary(r: dict[str, Any]) -> list[str]:
+    """The receivers' drains of one backlog, and each ratio mapped / generic."""
+    lines = [
+        f"receivers: {r['events']:,} events of {r['rows']:,} {r['entity_type']} rows, median of"
+        f" {r['rounds']} interleaved rounds:"
+    ]
+    for name in r["receivers"]:
+        f = r[name]
+        lines.append(f"  {name:24} {f['events_per_sec']:>12,.0f} events/s")
+        if f["cpu_us_per_event"]:
+            lines.append(
+                f"  {'':24} CPU us/event: "
+                + ", ".join(f"{k} {v}" for k, v in f["cpu_us_per_event"].items())
+            )
+    if "ratios" in r:
+        lines.append("  mapped / generic: " + ", ".join(f"{k} {v}" for k, v in r["ratios"].items()))
+    return lines
 
 
 def main() -> int:

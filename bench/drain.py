@@ -13,6 +13,8 @@ import asyncio
 import math
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -169,9 +171,30 @@ async def read_walk(env: BenchEnv, batch_size: int) -> dict[str, Any]:
     return _figures(events, seconds, cpu)
 
 
-async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> dict[str, Any]:
-    """`serversync run frontend-sync` draining the whole outbox (through HTTP, or a null sink)."""
-    await execute(env.frontend, "TRUNCATE ingest.entities")
+@dataclass(frozen=True)
+class ReceiverSide:
+    """Where the drain through HTTP lands: the receiver's database, its mapping file (None: the
+    generic store), how to empty it before a drain and how to count what it holds after."""
+
+    name: str
+    dsn: str
+    mapping: Path | None = None
+    reset: tuple[str, ...] = ("TRUNCATE ingest.entities",)
+    count: str = "SELECT count(*) FROM ingest.entities"
+
+
+async def product(
+    env: BenchEnv,
+    batch_size: int,
+    sink: str,
+    timeout: float,
+    side: ReceiverSide | None = None,
+) -> dict[str, Any]:
+    """`serversync run frontend-sync` draining the whole outbox (through HTTP into `side`,
+    by default the generic receiver, or into a null sink)."""
+    side = side or ReceiverSide("generic", env.frontend)
+    for statement in side.reset:
+        await execute(side.dsn, statement)
     await execute(
         env.backend,
         "INSERT INTO sync.consumer_offsets (consumer) VALUES ('frontend-sync')"
@@ -183,7 +206,10 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
     # One connection for all the polling: a connection per poll would cost the server a
     # backend start every 20 ms, on the cores the product runs on.
     monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
-    async with monitor, ingest_server(env) as (url, receiver):
+    receiving = ingest_server(
+        env, dsn=side.dsn, mapping=side.mapping, log=f"ingest-server-{side.name}"
+    )
+    async with monitor, receiving as (url, receiver):
         consumer = start_service(
             ["run", "frontend-sync", "--sink", "null" if sink == "null" else "default"],
             {
@@ -192,7 +218,7 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
                 "SYNC_BATCH_SIZE": str(batch_size),
                 "SYNC_LOG_LEVEL": "WARNING",
             },
-            env.workdir / f"consumer-{sink}.log",
+            env.workdir / f"consumer-{sink}-{side.name}.log",
         )
         processes = {"consumer": consumer.pid}
         if sink == "http":
@@ -242,7 +268,7 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
         finally:
             consumer.stop()
     if sink == "http":
-        applied = (await execute(env.frontend, "SELECT count(*) FROM ingest.entities"))[0][0]
+        applied = (await execute(side.dsn, side.count))[0][0]
         distinct = (
             await execute(
                 env.backend,
@@ -250,7 +276,9 @@ async def product(env: BenchEnv, batch_size: int, sink: str, timeout: float) -> 
             )
         )[0][0]
         if applied != distinct:
-            raise RuntimeError(f"receiver holds {applied} entities, expected {distinct}")
+            raise RuntimeError(
+                f"the {side.name} receiver holds {applied} entities, expected {distinct}"
+            )
     return {
         "sink": sink,
         "events": delivered,

@@ -29,6 +29,8 @@ from consumer.devtools.devdb import (
 
 BACKEND_DB = "serversync_bench_backend"
 FRONTEND_DB = "serversync_bench_frontend"
+# The table-mapping receiver's database: serversync's schema (its version guard) and the table.
+MAPPED_DB = "serversync_bench_mapped"
 ROOT = Path(__file__).resolve().parent.parent
 # Consumers sign and the receiver checks, as in production.
 BENCH_SECRET = "bench-shared-secret-0123456789abcdef"  # noqa: S105 - loopback only
@@ -201,7 +203,8 @@ async def cpu_meter(env: BenchEnv, processes: dict[str, int]) -> AsyncIterator[C
         yield CpuMeter(
             monitor,
             processes,
-            {BACKEND_DB: "backend", FRONTEND_DB: "receiver"},
+            # Both receivers' databases are "receiver": their drains never overlap.
+            {BACKEND_DB: "backend", FRONTEND_DB: "receiver", MAPPED_DB: "receiver"},
             local_server=server_is_local(env.backend),
         )
 
@@ -277,18 +280,24 @@ async def wait_for(
 
 
 @contextlib.asynccontextmanager
-async def ingest_server(env: BenchEnv) -> AsyncIterator[tuple[str, Service]]:
-    """The reference receiver as a process; yields its base URL."""
+async def ingest_server(
+    env: BenchEnv,
+    *,
+    dsn: str | None = None,
+    mapping: Path | None = None,
+    log: str = "ingest-server",
+) -> AsyncIterator[tuple[str, Service]]:
+    """The reference receiver as a process on `dsn` (default: the bench's receiver database),
+    applying into tables with the `mapping` file if one is given; yields its base URL."""
     port = free_port()
-    service = start_service(
-        ["ingest-server"],
-        {
-            "FRONTEND_DATABASE_URL": env.frontend,
-            "INGEST_PORT": str(port),
-            "SYNC_LOG_LEVEL": "WARNING",
-        },
-        env.workdir / "ingest-server.log",
-    )
+    settings = {
+        "FRONTEND_DATABASE_URL": dsn or env.frontend,
+        "INGEST_PORT": str(port),
+        "SYNC_LOG_LEVEL": "WARNING",
+    }
+    if mapping is not None:
+        settings["INGEST_MAPPING_FILE"] = str(mapping)
+    service = start_service(["ingest-server"], settings, env.workdir / f"{log}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:

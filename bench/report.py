@@ -59,6 +59,15 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "measured": http["consumer_peak_rss_mb"],
             "met": http["consumer_peak_rss_mb"] <= 100,
         }
+        side = (drain.get("receivers") or {}).get("ratios", {}).get("receiver_side_cpu")
+        if side is not None:
+            # Applying into real tables, guarded by sync.row_versions, against the generic
+            # store, on the same backlog: the receiver's process and its PostgreSQL together.
+            checks["drain_mapped_receiver_cpu_vs_generic"] = {
+                "target": "<= 1.3 (receiver and its PostgreSQL, CPU per event)",
+                "measured": side,
+                "met": side <= 1.3,
+            }
     for run in result.get("latency", []):
         if run["mode"] == "notify":
             checks["latency_p99_ms_notify"] = {
@@ -121,6 +130,8 @@ def chart(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     panels = [p for p in ("drain", "latency", "producer", "instructions") if result.get(p)]
+    if (result.get("drain") or {}).get("receivers", {}).get("ratios"):
+        panels.insert(1, "receivers")
     if not panels:
         return False
     rows = max(
@@ -153,6 +164,8 @@ def chart(result: dict[str, Any], path: Path) -> bool:
             ax.tick_params(axis="x", labelsize=8)
             ax.set_ylabel("thousand events/s")
             ax.set_title(f"drain of {d['events']:,} events (batch {d['batch_size']})")
+        elif panel == "receivers":
+            _receivers_panel(ax, result["drain"]["receivers"])
         elif panel == "latency":
             for run in result["latency"]:
                 keys = ["p50_ms", "p95_ms", "p99_ms", "max_ms"]
@@ -176,6 +189,27 @@ def chart(result: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
+
+
+def _receivers_panel(ax: Any, r: dict[str, Any]) -> None:
+    """CPU per event of the receiving side, the generic receiver beside the mapped one: the
+    receiver's process and its PostgreSQL stacked."""
+    names = [n for n in r["receivers"] if r[n]["cpu_us_per_event"]]
+    if not names:
+        ax.set_title("receivers: no CPU measured")
+        return
+    bottom = [0.0] * len(names)
+    for part, color in (("postgres receiver", "#27a"), ("receiver", "#2a7")):
+        values = [r[n]["cpu_us_per_event"].get(part, 0.0) for n in names]
+        ax.bar(names, values, bottom=bottom, color=color, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, total in enumerate(bottom):
+        ax.text(x, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, max(bottom) * 1.2)
+    ax.set_ylabel("CPU us per event")
+    ratio = r.get("ratios", {}).get("receiver_side_cpu")
+    ax.set_title(f"receivers, {r['events']:,} events (mapped / generic {ratio})")
+    ax.legend(fontsize=8)
 
 
 def _hbars(ax: Any, labels: list[str], values: list[float], color: str, fmt: str) -> None:

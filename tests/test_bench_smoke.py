@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from bench.producer import BULK_MODES, DURABLE_MODES, KINDS, MODES, RELAY_COST_TABLES
+from bench.receivers import RATIOS, RECEIVER_PARTS, RECEIVERS
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -108,6 +109,48 @@ def check_drain(drain: dict[str, Any], parameters: dict[str, Any]) -> None:
     # Where the CPU went: the references always say it (the product only when its drain spans
     # more than one poll, which 3,000 events may not).
     assert {"python", "postgres backend", "total"} <= set(drain["python_loop"]["cpu_us_per_event"])
+
+
+def check_receivers(receivers: dict[str, Any], parameters: dict[str, Any]) -> None:
+    """The table-mapping receiver drained the same backlog as the generic one, round for round;
+    each receiver's figure is the median of its rounds, and each ratio, mapped over generic, is
+    the quotient of the two medians it names."""
+    assert receivers["receivers"] == list(RECEIVERS) == parameters["receivers"]
+    assert (receivers["events"], receivers["rounds"]) == (
+        parameters["events"],
+        parameters["rounds"],
+    )
+    for name in RECEIVERS:
+        runs = receivers["runs"][name]
+        assert len(runs) == parameters["rounds"], name
+        assert all(run["events"] == parameters["events"] for run in runs), name
+        figures = receivers[name]
+        assert math.isclose(
+            figures["events_per_sec"],
+            statistics.median(run["events_per_sec"] for run in runs),
+            abs_tol=0.051,
+        ), name
+        cpu = figures["cpu_us_per_event"]
+        if cpu:  # the receiving side is the sum of its parts in every round
+            for run in runs:
+                side = sum(run["cpu_us_per_event"].get(part, 0.0) for part in RECEIVER_PARTS)
+                assert math.isclose(run["cpu_us_per_event"]["receiver side"], side, abs_tol=0.011)
+    generic, mapped = receivers["generic"], receivers["mapped"]
+    assert set(receivers["ratios"]) == set(RATIOS)
+    assert_ratio(
+        receivers["ratios"]["events_per_sec"],
+        mapped["events_per_sec"],
+        generic["events_per_sec"],
+        "events_per_sec",
+    )
+    for name, parts in RATIOS.items():
+        ratio = receivers["ratios"][name]
+        if parts is None or ratio is None:  # CPU unmeasured: a drain within one poll
+            continue
+        top = sum(mapped["cpu_us_per_event"][part] for part in parts)
+        bottom = sum(generic["cpu_us_per_event"][part] for part in parts)
+        assert_ratio(ratio, top, bottom, name)
+    assert len(receivers["round_ratios"]) == parameters["rounds"]
 
 
 def check_latency(runs: list[dict[str, Any]], parameters: dict[str, Any]) -> None:
@@ -208,6 +251,9 @@ def check_targets(result: dict[str, Any]) -> None:
         "latency_max_ms_poll_only": by_mode["poll-only"]["max_ms"],
         "producer_tracked_wakeups_on_ratio": ratios["tracked_wakeups_on"],
     }
+    side = drain["receivers"]["ratios"]["receiver_side_cpu"]
+    if side is not None:  # judged on the CPU ratio the comparison reports
+        measured["drain_mapped_receiver_cpu_vs_generic"] = side
     assert set(measured) <= set(targets), sorted(targets)
     for name, figure in measured.items():
         assert math.isclose(targets[name]["measured"], figure, abs_tol=0.0015), (name, targets)
@@ -234,6 +280,7 @@ def test_bench_all_reports_each_figure_beside_its_references(tmp_path: Path) -> 
     result = _bench(
         *("all", "--quick", "--events", "3000", "--seconds", "1", "--rounds", "1"),
         *("--rate", "100", "--poll-interval", "0.3", "--name", "smoke", "--out", str(tmp_path)),
+        *("--receivers", "generic,mapped"),
     )
     logs = re.search(r"logs in (\S+)", result.stderr)
     assert logs is not None, result.stderr[-3000:]
@@ -250,6 +297,7 @@ def test_bench_all_reports_each_figure_beside_its_references(tmp_path: Path) -> 
     assert (parameters["quick"], parameters["rounds"]) == (True, 1)
     assert {"python", "postgres", "cpus", "git_ref"} <= set(figures["machine"])
     check_drain(figures["drain"], parameters)
+    check_receivers(figures["drain"]["receivers"], parameters)
     check_latency(figures["latency"], parameters)
     check_producer(figures["producer"], parameters)
     check_targets(figures)
@@ -258,6 +306,13 @@ def test_bench_all_reports_each_figure_beside_its_references(tmp_path: Path) -> 
     out = result.stdout
     assert "drain of 3,000 events" in out
     assert "CPU us/event" in out
+    receivers = figures["drain"]["receivers"]
+    assert f"receivers: 3,000 events of {receivers['rows']:,} bench_setting rows" in out
+    assert (
+        "  mapped / generic: "
+        + ", ".join(f"{name} {ratio}" for name, ratio in receivers["ratios"].items())
+        in out
+    )
     for run in figures["latency"]:
         assert f"p99 {run['p99_ms']} ms" in out, run
     for name, ratio in figures["producer"]["ratio_to_untracked"].items():
