@@ -37,15 +37,14 @@ VERSIONS = (
     "SELECT entity_id, version_ts, version_node, deleted FROM sync.row_versions"
     " WHERE entity_type = %s ORDER BY entity_id"
 )
-APPLYING = (
-    "SELECT set_config('serversync.applying', 'on', true),"
-    " set_config('serversync.origin', %s, true)"
-)
+APPLYING = "SELECT set_config('serversync.origin', %s, true)"
 WRITE_VERSION = (
-    "INSERT INTO sync.row_versions (entity_type, entity_id, version_ts, version_node, deleted)"
-    " VALUES (%s, %s, %s, %s, %s)"
+    "INSERT INTO sync.row_versions"
+    " (entity_type, entity_id, version_ts, version_node, deleted, applied_xact)"
+    " VALUES (%s, %s, %s, %s, %s, pg_current_xact_id())"
     " ON CONFLICT (entity_type, entity_id) DO UPDATE SET version_ts = EXCLUDED.version_ts,"
-    " version_node = EXCLUDED.version_node, deleted = EXCLUDED.deleted"
+    " version_node = EXCLUDED.version_node, deleted = EXCLUDED.deleted,"
+    " applied_xact = EXCLUDED.applied_xact"
 )
 
 
@@ -168,6 +167,30 @@ async def test_a_row_an_apply_wrote_no_version_for_is_versioned_as_a_local_edit(
     [(op, entity_id, created, origin)] = await fetch_all(backend_dsn, OUTBOX, ("setting",))
     assert (op, entity_id, origin) == ("upsert", "9", None)
     assert await fetch_all(backend_dsn, VERSIONS, ("setting",)) == [("9", created, NODE, False)]
+
+
+async def test_a_versioned_row_an_apply_did_not_write_is_a_local_edit(backend_dsn: str) -> None:
+    """A row that already holds a version from the other node, changed inside an apply
+    transaction by something other than the receiver (a trigger of the user's): a new local
+    version after the stored one, not the stored one again (which the other node would take for
+    a change it already has, and drop)."""
+    await _setting_table(backend_dsn, partitioned=False)
+    conn = await psycopg.AsyncConnection.connect(backend_dsn)
+    async with conn:
+        await conn.execute(APPLYING, (REMOTE,))
+        ahead = datetime.now(UTC) + timedelta(hours=1)
+        await conn.execute(WRITE_VERSION, ("setting", "9", ahead, REMOTE, False))
+        await conn.execute("INSERT INTO settings VALUES (9, 'applied')")
+        await conn.commit()
+        # A later transaction of the receiver's, which versions other rows only.
+        await conn.execute(APPLYING, (REMOTE,))
+        await conn.execute("UPDATE settings SET value = 'side effect' WHERE id = 9")
+        await conn.commit()
+    events = await fetch_all(backend_dsn, OUTBOX, ("setting",))
+    assert [(op, origin) for op, _, _, origin in events] == [("upsert", REMOTE), ("upsert", None)]
+    ((_, _, applied, _), (_, _, local, _)) = events
+    assert local > applied
+    assert await fetch_all(backend_dsn, VERSIONS, ("setting",)) == [("9", local, NODE, False)]
 
 
 @pytest.mark.parametrize("partitioned", [False, True], ids=["table", "partitioned"])

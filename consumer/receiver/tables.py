@@ -13,7 +13,7 @@ Inside the request's one transaction, per distinct origin of its mapped entries,
    own type, which takes JSON numbers of any size, strings, booleans, nulls, objects and arrays
    (json, jsonb and array columns) and timestamps as the column's input reads them.
 
-The transaction says it applies (`serversync.applying`, read by a both-ways relay, which then
+Each version it writes is marked with its transaction (`applied_xact`: a both-ways relay then
 records the applied version instead of a local one) and whose changes (`serversync.origin`,
 which every relay's outbox row records), and gives up on any row lock after
 APPLY_LOCK_TIMEOUT: an operator's edit in progress always wins the wait, and the sender retries.
@@ -87,12 +87,15 @@ _INCOMING = sql.SQL("""WITH incoming AS (
      ORDER BY e."entityType", e."entityId", e."createdAt" DESC, e.origin DESC, e.seq DESC
 ), versions AS (
     INSERT INTO sync.row_versions AS v
-        (entity_type, entity_id, version_ts, version_node, deleted)
-    SELECT entity_type, entity_id, version_ts, version_node, op = 'delete' FROM incoming
+        (entity_type, entity_id, version_ts, version_node, deleted, applied_xact)
+    SELECT entity_type, entity_id, version_ts, version_node, op = 'delete',
+           pg_current_xact_id()
+      FROM incoming
     ON CONFLICT (entity_type, entity_id) DO UPDATE
     SET version_ts = EXCLUDED.version_ts,
         version_node = EXCLUDED.version_node,
-        deleted = EXCLUDED.deleted
+        deleted = EXCLUDED.deleted,
+        applied_xact = EXCLUDED.applied_xact
     WHERE v.version_ts < EXCLUDED.version_ts
        OR (v.version_ts = EXCLUDED.version_ts
            AND v.version_node COLLATE "C" < EXCLUDED.version_node COLLATE "C")
@@ -134,8 +137,7 @@ _DELETE = sql.SQL("""
 _COUNT = sql.SQL("\nSELECT count(*) FROM winners")
 
 _BEGIN = (
-    "SELECT set_config('serversync.applying', 'on', true), "
-    "set_config('lock_timeout', %(lock_timeout)s, true), "
+    "SELECT set_config('lock_timeout', %(lock_timeout)s, true), "
     "set_config('serversync.origin', %(origin)s, true)"
 )
 _ORIGIN = "SELECT set_config('serversync.origin', %(origin)s, true)"

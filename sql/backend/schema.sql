@@ -229,6 +229,10 @@ CREATE TABLE sync.row_versions (
     version_ts   timestamptz NOT NULL,
     version_node text        NOT NULL,
     deleted      boolean     NOT NULL DEFAULT false,
+    -- The transaction of the receiver's apply that wrote this version: the relay of a both-ways
+    -- table takes a row's version as applied only when its own transaction wrote it, so a row
+    -- the apply did not write (a user's trigger changing another row) is a local edit.
+    applied_xact xid8,
     PRIMARY KEY (entity_type, entity_id)
 );
 

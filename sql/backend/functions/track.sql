@@ -36,10 +36,11 @@
 --   seen, even one from a node whose clock runs ahead, and two changes of a row in one
 --   transaction get two increasing versions. The outbox row's created_at is that version, its
 --   origin NULL.
--- * inside a receiver's apply (the setting serversync.applying is 'on' in its transaction), the
---   receiver wrote the row's version first: the change goes on with that version as created_at
---   and its node as origin, so the next node orders it as the first one did. A row the apply
---   wrote no version for (a change made by a trigger of the user's) is a local edit.
+-- * inside a receiver's apply, the receiver wrote the row's version first, marked with its
+--   transaction (applied_xact): the change goes on with that version as created_at and its node
+--   as origin, so the next node orders it as the first one did. A row whose version this
+--   transaction did not write (a change made by a trigger of the user's) is a local edit, even
+--   when an older version of it is stored.
 -- * a delete is a version too (deleted = true), and so is the old key of a changed key.
 -- It needs this node's name (sync.node). It costs what one-way tables do not pay: a version
 -- row's upsert per changed row, and a statement with four parts; one-way tables keep their
@@ -132,7 +133,8 @@ DECLARE
                    SET version_ts = GREATEST(EXCLUDED.version_ts,
                                              v.version_ts + interval '1 microsecond'),
                        version_node = EXCLUDED.version_node,
-                       deleted = EXCLUDED.deleted
+                       deleted = EXCLUDED.deleted,
+                       applied_xact = NULL
                 RETURNING v.entity_id, v.version_ts, NULL::text AS version_node
             )
             INSERT INTO sync.events_outbox
@@ -141,7 +143,7 @@ DECLARE
               FROM changed AS c
                    JOIN (SELECT * FROM applied UNION ALL SELECT * FROM made_here) AS w
                      ON w.entity_id = c.entity_id;$insert$;
-    applying text := $applying$pg_catalog.current_setting('serversync.applying', true) = 'on'$applying$;
+    applying text := $applying$v.applied_xact = pg_catalog.pg_current_xact_id()$applying$;
     -- Every generated function runs as its owner, with a search_path no caller can change.
     create_function text := 'CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql '
                             'SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS %L';
