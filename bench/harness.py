@@ -252,7 +252,9 @@ def start_service(args: list[str], env: dict[str, str], log: Path) -> Service:
     with log.open("wb") as handle:
         process = subprocess.Popen(
             [sys.executable, "-m", "consumer", "--log-format", "text", *args],
-            env={**os.environ, "SYNC_SHARED_SECRET": BENCH_SECRET, **env},
+            # The health and metrics port on a free port: a consumer already running on this
+            # host (9464 by default) must not stop the bench.
+            env={**os.environ, "SYNC_SHARED_SECRET": BENCH_SECRET, "SYNC_HTTP_PORT": "0", **env},
             stdout=handle,
             stderr=handle,
         )

@@ -167,6 +167,41 @@ async def test_a_mapping_that_does_not_fit_the_database_is_refused_in_one_line(
 
 
 @pytest.mark.parametrize(
+    ("table_grant", "versions_grant", "fragment"),
+    [
+        (
+            "SELECT, DELETE",
+            "SELECT, INSERT, UPDATE",
+            "lacks SELECT, INSERT, UPDATE, DELETE on public.registered_numbers",
+        ),
+        ("SELECT, INSERT, UPDATE, DELETE", "SELECT", "sync.row_versions"),
+    ],
+    ids=["table", "versions"],
+)
+async def test_a_receiver_role_missing_one_privilege_is_refused_at_start(
+    mapped_dsn: str, table_grant: str, versions_grant: str, fragment: str
+) -> None:
+    """Every privilege the apply uses is checked, each alone (PostgreSQL's
+    has_table_privilege with a list is true when any one of them is held)."""
+    role = f"ss_receiver_{new_id()[:8]}"
+    conn = await psycopg.AsyncConnection.connect(mapped_dsn, autocommit=True)
+    async with conn:
+        await conn.execute(f"CREATE ROLE {role} NOLOGIN")
+        try:
+            await conn.execute(f"GRANT USAGE ON SCHEMA sync TO {role}")
+            await conn.execute(f"GRANT {table_grant} ON public.registered_numbers TO {role}")
+            await conn.execute(f"GRANT {versions_grant} ON sync.row_versions TO {role}")
+            await conn.execute(f"SET ROLE {role}")
+            with pytest.raises(MappingError) as refused:
+                await resolve(conn, read_mapping(VOICEBOT_MAPPING))
+            await conn.execute("RESET ROLE")
+        finally:
+            await conn.execute(f"DROP OWNED BY {role}")
+            await conn.execute(f"DROP ROLE {role}")
+    assert fragment in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize(
     ("text", "fragment"),
     [
         ("entities = 1", "maps no entity type"),

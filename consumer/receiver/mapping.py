@@ -158,7 +158,9 @@ def read_mapping(path: Path) -> list[EntityMapping]:
 # The table named by the file, as PostgreSQL resolves it (search_path, quoting and all).
 _TABLE = """
 SELECT c.oid, n.nspname, c.relname, c.relkind,
-       has_table_privilege(c.oid, 'SELECT, INSERT, UPDATE') AS can_upsert,
+       -- A list of privileges is true when ANY of them is held: each is checked alone.
+       has_table_privilege(c.oid, 'SELECT') AND has_table_privilege(c.oid, 'INSERT')
+           AND has_table_privilege(c.oid, 'UPDATE') AS can_upsert,
        has_table_privilege(c.oid, 'DELETE') AS can_delete
   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
  WHERE c.oid = to_regclass(%s)
@@ -183,7 +185,9 @@ SELECT EXISTS (
 """
 _VERSIONS = """
 SELECT to_regclass('sync.row_versions') IS NOT NULL
-       AND has_table_privilege('sync.row_versions', 'SELECT, INSERT, UPDATE')
+       AND has_table_privilege('sync.row_versions', 'SELECT')
+       AND has_table_privilege('sync.row_versions', 'INSERT')
+       AND has_table_privilege('sync.row_versions', 'UPDATE')
 """
 
 
