@@ -261,3 +261,49 @@ async def test_deletes_false_ignores_delete_entries(mapped_dsn: str, tmp_path: P
         status, answer, _ = await post(url, gone)
         assert (status, answer["applied"], answer["stale"]) == (200, 0, 1), answer
     assert await label_of(mapped_dsn, key) == "a"
+
+
+FAMILY = """
+CREATE TABLE parents (id integer PRIMARY KEY, name text);
+CREATE TABLE children (id integer PRIMARY KEY, parent_id integer NOT NULL REFERENCES parents);
+"""
+FAMILY_MAPPING = """
+[entities.parent]
+table = "public.parents"
+[entities.child]
+table = "public.children"
+"""
+
+
+async def test_an_entry_whose_referenced_row_has_not_arrived_is_retried_not_parked(
+    mapped_dsn: str, tmp_path: Path
+) -> None:
+    """A child whose parent is in a batch still in flight (or comes later) is passing trouble:
+    503 with Retry-After, nothing applied; once the parent is there the same batch applies."""
+    conn = await psycopg.AsyncConnection.connect(mapped_dsn, autocommit=True)
+    async with conn:
+        await conn.execute(FAMILY)
+    mapping = tmp_path / "family.toml"
+    mapping.write_text(FAMILY_MAPPING)
+    child = entry("child", "10", {"id": 10, "parent_id": 1})
+    async with serve_mapped(mapped_dsn, mapping) as url:
+        status, answer, headers = await post(url, child)
+        assert (status, answer["error"]["code"]) == (503, "INGEST_BUSY"), answer
+        assert headers["Retry-After"] == "1"
+        assert await fetch_all(mapped_dsn, "SELECT id FROM children") == []
+        status, answer, _ = await post(url, entry("parent", "1", {"id": 1, "name": "p"}))
+        assert status == 200, answer
+        status, answer, _ = await post(url, child)
+        assert (status, answer["applied"]) == (200, 1), answer
+    assert await fetch_all(mapped_dsn, "SELECT id, parent_id FROM children") == [(10, 1)]
+
+
+async def test_a_table_tracked_both_ways_under_another_type_is_refused(mapped_dsn: str) -> None:
+    """The receiver must write versions under the names the both-ways relay reads them by."""
+    conn = await psycopg.AsyncConnection.connect(mapped_dsn, autocommit=True)
+    async with conn:
+        await conn.execute("SELECT sync.set_node_name('backend')")
+        await conn.execute("SELECT sync.track('public.registered_numbers', 'number', 'id', true)")
+        with pytest.raises(MappingError) as refused:
+            await resolve(conn, read_mapping(VOICEBOT_MAPPING))
+    assert "tracked both ways as entity type 'number'" in str(refused.value)

@@ -113,6 +113,16 @@ async def ingest_sync(request: web.Request) -> web.Response:
         )
         response.headers[hdrs.RETRY_AFTER] = str(ROW_BUSY_RETRY_AFTER_SEC)
         return response
+    except psycopg.errors.ForeignKeyViolation as exc:
+        # A mapped row refers to one that has not arrived yet (a batch still in flight, an
+        # entity type applied later): the sender retries; if it never arrives, the stream stops
+        # loudly (failing) rather than parking data that is fine.
+        log.info("a referenced row is not there yet: %s", exc.diag.message_detail or exc)
+        response = error_response(
+            503, "INGEST_BUSY", "an entry refers to a row that has not arrived yet; retry"
+        )
+        response.headers[hdrs.RETRY_AFTER] = str(ROW_BUSY_RETRY_AFTER_SEC)
+        return response
     except psycopg.DataError as exc:
         # An entry PostgreSQL refuses ("\u0000" or a lone surrogate in a payload, a date out of
         # range): the sender's fault, and its detail says which part of the entry.

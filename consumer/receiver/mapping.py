@@ -183,6 +183,10 @@ SELECT EXISTS (
      WHERE i.indrelid = %s AND a.attname = %s AND i.indisunique AND i.indimmediate
        AND i.indnkeyatts = 1 AND i.indpred IS NULL AND i.indexprs IS NULL)
 """
+# How the table is tracked both ways here, if it is (sync.tracked_tables).
+_TRACKED_BOTH_WAYS = """
+SELECT entity_type, key_column FROM sync.tracked_tables WHERE table_name = %s::oid AND both_ways
+"""
 _VERSIONS = """
 SELECT to_regclass('sync.row_versions') IS NOT NULL
        AND has_table_privilege('sync.row_versions', 'SELECT')
@@ -208,6 +212,16 @@ async def _resolve_one(conn: psycopg.AsyncConnection[Any], spec: EntityMapping) 
     if not can_upsert or (spec.deletes and not can_delete):
         needed = "SELECT, INSERT, UPDATE" + (", DELETE" if spec.deletes else "")
         raise MappingError(f"{where}: the receiver's role lacks {needed} on {label}")
+    cur = await conn.execute(_TRACKED_BOTH_WAYS, (oid,))
+    for tracked_type, tracked_key in await cur.fetchall():
+        # A both-ways relay reads the version the receiver wrote under (its entity type, its
+        # key): under other names it would take every applied change for a local edit and send
+        # it back with a new version, for ever.
+        if (tracked_type, tracked_key) != (spec.entity_type, spec.key):
+            raise MappingError(
+                f"{where}: {label} is tracked both ways as entity type {tracked_type!r} keyed "
+                f"by {tracked_key!r}; map it as that type with that key"
+            )
     cur = await conn.execute(_COLUMNS, (oid,))
     catalog = {row[0]: row for row in await cur.fetchall()}
     if spec.key not in catalog:

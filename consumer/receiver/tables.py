@@ -299,7 +299,8 @@ class TableWriter:
         """Write `plan`'s entries, in the caller's transaction on `conn`; `body` is the request
         body as a jsonb parameter. Returns how many entries won (were applied). WriteRefused
         when PostgreSQL refuses their data; a lock not granted within the lock timeout, a
-        deadlock or a serialization failure propagate (the request is to be retried)."""
+        deadlock, a serialization failure or a foreign key to a row not there yet propagate
+        (the request is to be retried)."""
         applied = 0
         for number, (origin, items) in enumerate(plan.by_origin.items()):
             if number == 0:
@@ -308,6 +309,10 @@ class TableWriter:
                 await conn.execute(_ORIGIN, {"origin": origin}, prepare=True)
             try:
                 applied += await self._run(conn, body, items)
+            except psycopg.errors.ForeignKeyViolation:
+                # A row it refers to has not arrived yet (in a batch still in flight, or of an
+                # entity type applied later): passing trouble, the request is retried.
+                raise
             except (psycopg.DataError, psycopg.IntegrityError) as exc:
                 raise WriteRefused(exc) from exc
         return applied
@@ -331,6 +336,8 @@ class TableWriter:
                     async with conn.transaction():
                         await conn.execute(_ORIGIN, {"origin": origin}, prepare=True)
                         await self._run(conn, body, [(index, part)])
+                except psycopg.errors.ForeignKeyViolation:
+                    continue  # refers to a row not written yet, not refused for its content
                 except (psycopg.DataError, psycopg.IntegrityError):
                     return index - 1
                 except psycopg.OperationalError:
