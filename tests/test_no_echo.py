@@ -17,6 +17,7 @@ from consumer.core.events import Batch, Position
 from consumer.runtime.filtering import EntryFilter
 from tests.conftest import fetch_value, make_settings, running_consumer
 from tests.support.backend import CONSUMER, execute, insert_callers, outbox_end
+from tests.support.dlq import parked_by_caller
 from tests.support.receivers import scripted_receiver
 from tests.support.waiting import wait_caught_up
 
@@ -233,3 +234,26 @@ def test_the_filter_cuts_out_what_it_passes_over() -> None:
     assert EntryFilter(frozenset({"call_log"}), TARGET).describe() == (
         "entity types call_log; no event from node backend"
     )
+
+
+async def test_a_refused_entry_beside_passed_over_ones_is_parked_alone(backend_dsn: str) -> None:
+    """One batch: entries from the target node (passed over), changes made here, and one the
+    receiver refuses. The refused one alone is parked, the others delivered, the passed-over
+    ones neither, and the offset passes them all."""
+    await execute(backend_dsn, f"SELECT sync.set_node_name('{HERE}')")
+    async with scripted_receiver() as frontend:
+        frontend.refuse_markers = {b'"l-refused"'}
+        settings = make_settings(backend_dsn, frontend.url, SYNC_TARGET_NODE=TARGET)
+        await insert_mixed(
+            backend_dsn,
+            [("b1", TARGET), ("l1", None), ("l-refused", None), ("b2", TARGET), ("l2", None)],
+        )
+        async with running_consumer(settings) as runtime:
+            end = await wait_caught_up(backend_dsn)
+        assert end == Position(*(await outbox_end(backend_dsn) or (0, 0)))
+        assert callers_of(frontend.accepted_entries) == ["l1", "l2"]
+        assert set(await parked_by_caller(backend_dsn)) == {"l-refused"}
+        stats = runtime.stats
+        assert (stats.delivered_events, stats.skipped_events, stats.parked_events) == (2, 2, 1)
+        # No request ever carried an entry from the target node.
+        assert all(b'"origin":"backend"' not in a.body for a in frontend.attempts)
