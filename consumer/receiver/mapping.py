@@ -18,6 +18,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +82,9 @@ class MappedTable:
     columns: tuple[Column, ...]  # the mapped columns but the key, in the table's order
     deletes: bool
 
-    @property
+    @cached_property
     def fields(self) -> frozenset[str]:
-        """The payload fields this table takes."""
+        """The payload fields this table takes (worked out once: read for every entry)."""
         return frozenset(c.field for c in self.columns)
 
     @property

@@ -14,7 +14,7 @@ import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import AsyncConnectionPool
 
-from consumer.receiver.tables import EntryRefused, TableWriter, WriteRefused
+from consumer.receiver.tables import EntryRefused, Plan, TableWriter, WriteRefused
 
 # The whole request body goes to PostgreSQL as one jsonb parameter; DISTINCT ON keeps the newest
 # entry of each entity in the batch (ON CONFLICT cannot touch one row twice in a statement), and
@@ -86,21 +86,12 @@ class EntityStore:
         param = Jsonb(body, dumps=bytes)
         async with self._pool.connection() as conn:
             try:
-                async with conn.transaction():
-                    applied = 0
-                    if plan.unmapped:
-                        # Before the mapped part sets its lock timeout: the generic store keeps
-                        # its behaviour whether or not a mapping is given.
-                        cur = await conn.execute(
-                            APPLY_UNMAPPED,
-                            {"body": param, "mapped": tables.entity_types},
-                            prepare=True,
-                            binary=True,
-                        )
-                        row = await cur.fetchone()
-                        applied += int(row[0]) if row else 0
-                    if plan.by_origin:
-                        applied += await tables.write(conn, param, plan)
+                if conn.autocommit and not plan.unmapped and len(plan.by_origin) <= 1:
+                    # One statement: on an autocommit connection, a transaction of its own,
+                    # without a BEGIN and a COMMIT to wait for.
+                    applied = await tables.write(conn, param, plan) if plan.by_origin else 0
+                else:
+                    applied = await self._apply_both(conn, param, plan, tables)
             except WriteRefused as refused:
                 # Named when one entry alone is refused; the trial is a courtesy, and the
                 # refusal stands without it.
@@ -116,6 +107,28 @@ class EntityStore:
                     f"entries[{index}]",
                     f"{refused_entry['entityType']} {refused_entry['entityId']!r}: {reason}",
                 ) from None
+        return applied
+
+    async def _apply_both(
+        self, conn: psycopg.AsyncConnection[Any], param: Jsonb, plan: Plan, tables: TableWriter
+    ) -> int:
+        """The statements of a request in one transaction: its unmapped entries', then one per
+        origin of its mapped entries."""
+        async with conn.transaction():
+            applied = 0
+            if plan.unmapped:
+                # Before the mapped part sets its lock timeout: the generic store keeps its
+                # behaviour whether or not a mapping is given.
+                cur = await conn.execute(
+                    APPLY_UNMAPPED,
+                    {"body": param, "mapped": tables.entity_types},
+                    prepare=True,
+                    binary=True,
+                )
+                row = await cur.fetchone()
+                applied += int(row[0]) if row else 0
+            if plan.by_origin:
+                applied += await tables.write(conn, param, plan)
         return applied
 
     async def ping(self) -> None:
