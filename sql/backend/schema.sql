@@ -234,7 +234,11 @@ CREATE TABLE sync.row_versions (
     -- the apply did not write (a user's trigger changing another row) is a local edit.
     applied_xact xid8,
     PRIMARY KEY (entity_type, entity_id)
-);
+)
+-- Room on every page for the next version of its rows: an upsert that changes no key column
+-- then stays on the page (a HOT update, no new index entry), which is most of what the guard
+-- costs a receiver per entry.
+WITH (fillfactor = 70);
 
 -- == Idempotency keys of sync.enqueue ===========================================================
 -- A key given to sync.enqueue is taken here, in the caller's transaction, and a second enqueue
