@@ -157,6 +157,12 @@ def backend_dsn(databases: Databases) -> str:
 
 
 @pytest.fixture
+def node_dsns(databases: Databases) -> tuple[str, str]:
+    """Two fresh backend databases, for two nodes that exchange changes both ways."""
+    return databases.create("backend"), databases.create("backend")
+
+
+@pytest.fixture
 def private_backend_dsn(private_databases: Databases) -> str:
     """A fresh backend database on the private cluster: one that tests may stop, restart or
     break, and where no other process's open transaction holds the read horizon back."""

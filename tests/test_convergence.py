@@ -23,14 +23,13 @@ import pytest
 
 from consumer.runtime.worker import ConsumerRuntime
 from tests.conftest import (
-    Databases,
     fetch_all,
     make_settings,
     running_consumer,
     wait_until,
 )
 from tests.support.mapped import serve_mapped, with_receiver_schema
-from tests.support.waiting import caught_up
+from tests.support.waiting import wait_drained
 
 # The consumer that carries each node's changes to the other node's receiver.
 CONSUMER = "frontend-sync"
@@ -53,12 +52,6 @@ class Node:
     conn: psycopg.AsyncConnection[Any]
     # The consumer that sends this node's changes to the other node.
     sender: ConsumerRuntime
-
-
-@pytest.fixture
-def node_dsns(databases: Databases) -> tuple[str, str]:
-    """Two databases with serversync's schema (built from the session's template)."""
-    return databases.create("backend"), databases.create("backend")
 
 
 async def _prepare(dsn: str, name: str) -> str:
@@ -127,20 +120,8 @@ async def edit(node: Node, rng: random.Random, tag: str) -> None:
 
 
 async def drained(backend: Node, frontend: Node) -> None:
-    """Until both consumers passed every event of their outboxes twice in a row: applying the
-    other side's changes writes new outbox rows (relayed with their origin), which the consumer
-    must pass too."""
-    streak = 0
-
-    async def both_caught_up() -> bool:
-        nonlocal streak
-        if await caught_up(backend.dsn, CONSUMER) and await caught_up(frontend.dsn, CONSUMER):
-            streak += 1
-        else:
-            streak = 0
-        return streak >= 2
-
-    await wait_until(both_caught_up, timeout=30, what="both directions drained")
+    """Until both directions are drained (tests.support.waiting.wait_drained)."""
+    await wait_drained((backend.dsn, CONSUMER), (frontend.dsn, CONSUMER))
 
 
 async def state(node: Node) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:

@@ -14,12 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 from psycopg import sql
 
 from consumer.runtime.worker import ConsumerRuntime
 from tests.conftest import (
-    Databases,
     cli_env,
     fetch_all,
     make_settings,
@@ -28,7 +26,7 @@ from tests.conftest import (
 )
 from tests.support.cli import assert_ok, run_cli
 from tests.support.mapped import serve_mapped, with_receiver_schema
-from tests.support.waiting import caught_up
+from tests.support.waiting import caught_up, wait_drained
 
 SETTINGS_TYPES = {
     "registered_number": "registered_numbers",
@@ -65,12 +63,6 @@ class Voicebot:
     frontend: str
     consumers_file: Path
     backend_url: str
-
-
-@pytest.fixture
-def node_dsns(databases: Databases) -> tuple[str, str]:
-    """Two databases with serversync's schema and the voicebot's example tables."""
-    return databases.create("backend"), databases.create("backend")
 
 
 async def _name_and_track(dsn: str, node: str) -> None:
@@ -127,18 +119,8 @@ def running_settings_sync(bot: Voicebot) -> contextlib.AbstractAsyncContextManag
 
 
 async def drained(bot: Voicebot) -> None:
-    """Both directions passed every event, twice in a row (an apply writes outbox rows too)."""
-    streak = 0
-
-    async def both() -> bool:
-        nonlocal streak
-        done = await caught_up(bot.frontend, SETTINGS_SYNC) and await caught_up(
-            bot.backend, FRONTEND_SYNC
-        )
-        streak = streak + 1 if done else 0
-        return streak >= 2
-
-    await wait_until(both, timeout=30, what="both directions drained")
+    """Until both directions are drained (tests.support.waiting.wait_drained)."""
+    await wait_drained((bot.frontend, SETTINGS_SYNC), (bot.backend, FRONTEND_SYNC))
 
 
 async def rows(dsn: str, table: str) -> list[Any]:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import psycopg
-from aiohttp import HttpVersion11, hdrs, web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 from opentelemetry import propagate
@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from consumer.observability.instruments import tracer
 from consumer.observability.redact import printable
-from consumer.receiver.guards import refusal_before_body
+from consumer.receiver.guards import answer_expectation, refusal_before_body
 from consumer.receiver.models import INGEST_REQUEST, describe, parse_body
 from consumer.receiver.store import EntityStore
 from consumer.receiver.tables import EntryRefused
@@ -264,15 +264,7 @@ def expect_guard(
         refused = refusal_before_body(request, secrets=secrets, max_body_bytes=max_body_bytes)
         if refused is not None:
             return refused
-        if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
-            return error_response(
-                417, "HTTP_417", "the only expectation accepted is Expect: 100-continue"
-            )
-        if request.version == HttpVersion11:
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            # What follows is the answer itself: aiohttp counts its bytes from here.
-            request.writer.output_size = 0
-        return None
+        return await answer_expectation(request)
 
     return expect
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 
 from consumer.observability.redact import printable
 from consumer.wire import signing
@@ -85,3 +85,17 @@ def refusal_before_body(
     if refusal is None:
         refusal = declared_size_refusal(request, max_body_bytes)
     return refusal
+
+
+async def answer_expectation(request: web.Request) -> web.StreamResponse | None:
+    """The rest of an answer to `Expect:` once the headers passed: 417 for anything but
+    100-continue, else 100 Continue written at once (None: go on and read the body)."""
+    if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
+        return error_response(
+            417, "HTTP_417", "the only expectation accepted is Expect: 100-continue"
+        )
+    if request.version == HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        # What follows is the answer itself: aiohttp counts its bytes from here.
+        request.writer.output_size = 0
+    return None

@@ -24,10 +24,10 @@ import logging
 import os
 from collections.abc import Sequence
 
-from aiohttp import HttpVersion11, web
+from aiohttp import web
 
 from consumer.receiver import recording_disk
-from consumer.receiver.guards import content_encoding_refusal
+from consumer.receiver.guards import answer_expectation, content_encoding_refusal
 from consumer.receiver.recording_disk import CHUNK_BYTES
 from consumer.receiver.recording_serving import recording_file
 from consumer.receiver.upload_body import read_parts
@@ -112,15 +112,7 @@ async def _expect_upload(request: web.Request) -> web.StreamResponse | None:
             refused = refusal.response()
     if refused is not None:
         return refused
-    if request.headers.get("Expect", "").lower() != "100-continue":
-        return error_response(
-            417, "HTTP_417", "the only expectation accepted is Expect: 100-continue"
-        )
-    if request.version == HttpVersion11:
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        # What follows is the answer itself: aiohttp counts its bytes from here.
-        request.writer.output_size = 0
-    return None
+    return await answer_expectation(request)
 
 
 async def ingest_recording_file(request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ __all__ = [
     "wait_all_delivered",
     "wait_caught_up",
     "wait_delivered_events",
+    "wait_drained",
     "wait_position",
     "wait_until",
 ]
@@ -28,6 +29,23 @@ async def caught_up(dsn: str, consumer: str = CONSUMER) -> bool:
     position = await offset(dsn, consumer)
     end = await outbox_end(dsn)
     return end is not None and position == Position(*end)
+
+
+async def wait_drained(*consumers: tuple[str, str], timeout: float = 30.0) -> None:
+    """Until every (database, consumer) passed every event of its outbox, twice in a row: in
+    both directions, applying the other side's changes writes new outbox rows (relayed with
+    their origin), which the consumer must pass too."""
+    streak = 0
+
+    async def all_caught_up() -> bool:
+        nonlocal streak
+        done = True
+        for dsn, consumer in consumers:
+            done = done and await caught_up(dsn, consumer)
+        streak = streak + 1 if done else 0
+        return streak >= 2
+
+    await wait_until(all_caught_up, timeout=timeout, what="every direction drained")
 
 
 async def wait_caught_up(dsn: str, consumer: str = CONSUMER, *, timeout: float = 10.0) -> Position:
