@@ -15,17 +15,19 @@
 -- order of the subquery: an ORDER BY out here would sort the batch a second time for nothing.
 -- The entries are not built here as JSON: string_agg over the concatenated entry text cost
 -- more in the server than fetching plain rows and letting orjson write them
--- (consumer/wire/entries.py; docs/performance.md has the timings). origin comes last: the
--- entry's columns end the row (consumer/wire/entries.py, ENTRY_COLUMNS).
+-- (consumer/wire/entries.py; docs/performance.md has the timings). The entry's columns end the
+-- row (consumer/wire/entries.py, ENTRY_COLUMNS); target_consumer, before them, names the one
+-- consumer a snapshot's row is for (NULL: every consumer).
 WITH horizon AS MATERIALIZED (
     SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmin(s) < pg_snapshot_xmax(s) AS held_back
     FROM pg_current_snapshot() AS s
 )
-SELECT h.held_back, b.txid::text, b.seq, b.op, b.entity_type, b.entity_id, b.payload::text,
-       b.created_at, b.origin
+SELECT h.held_back, b.txid::text, b.target_consumer, b.seq, b.op, b.entity_type, b.entity_id,
+       b.payload::text, b.created_at, b.origin, b.snapshot_id
 FROM horizon h
 LEFT JOIN LATERAL (
-    SELECT o.txid, o.seq, o.op, o.entity_type, o.entity_id, o.payload, o.created_at, o.origin
+    SELECT o.txid, o.target_consumer, o.seq, o.op, o.entity_type, o.entity_id, o.payload,
+           o.created_at, o.origin, o.snapshot_id
     FROM sync.events_outbox o
     WHERE (o.txid, o.seq) > (%(txid)s::xid8, %(seq)s::bigint)
       AND o.txid < h.xmin
@@ -581,3 +583,94 @@ DELETE FROM sync.consumer_waits WHERE consumer = %(consumer)s;
 
 -- name: retention_purge_dlq
 DELETE FROM sync.dlq_messages WHERE consumer = %(consumer)s;
+
+-- == Snapshots (consumer/store/snapshots.py, functions/snapshot.sql) ==========================
+
+-- name: snapshot_tracked
+-- The tracked tables, with what a snapshot needs of each; the parts of the name to count rows.
+SELECT t.table_name::oid AS relation_oid, t.table_name::text AS relation, t.entity_type,
+       t.key_column, t.both_ways, n.nspname AS schema_name, c.relname AS table_name
+FROM sync.tracked_tables t
+     JOIN pg_class c ON c.oid = t.table_name::oid
+     JOIN pg_namespace n ON n.oid = c.relnamespace
+ORDER BY t.table_name::text;
+
+-- name: snapshot_resolve
+-- A table as an operator names it (quoted or not, schema-qualified or by the search_path).
+SELECT to_regclass(%(name)s)::oid AS relation_oid;
+
+-- name: snapshot_create
+INSERT INTO sync.snapshots (consumer, requested_by, delete_missing)
+VALUES (%(consumer)s, %(requested_by)s, %(delete_missing)s)
+RETURNING id;
+
+-- name: snapshot_add_table
+INSERT INTO sync.snapshot_tables
+    (snapshot_id, position, relation, entity_type, key_column, both_ways, rows_total)
+VALUES (%(snapshot)s, %(position)s, %(relation_oid)s::oid::regclass, %(entity_type)s,
+        %(key_column)s, %(both_ways)s, %(rows_total)s);
+
+-- name: snapshot_list
+-- Snapshots, newest first: the running ones only, or every one, or one by id.
+SELECT s.id, s.consumer, s.requested_by, s.delete_missing, s.state, s.begin_seq, s.created_at,
+       s.updated_at, s.finished_at
+FROM sync.snapshots s
+WHERE (NOT %(running_only)s OR s.state = 'running')
+  AND (%(id)s::bigint IS NULL OR s.id = %(id)s::bigint)
+ORDER BY s.id DESC
+LIMIT %(limit)s;
+
+-- name: snapshot_tables
+SELECT t.snapshot_id, t.position, t.relation::text AS relation, t.entity_type, t.key_column,
+       t.both_ways, t.last_key, t.rows_total, t.rows_sent, t.done
+FROM sync.snapshot_tables t
+WHERE t.snapshot_id = ANY (%(ids)s::bigint[])
+ORDER BY t.snapshot_id, t.position;
+
+-- name: snapshot_try_lock
+-- Held by the session writing a snapshot: one writer per snapshot.
+SELECT pg_try_advisory_lock(hashtext('serversync.snapshot'), %(id)s::int) AS locked;
+
+-- name: snapshot_unlock
+SELECT pg_advisory_unlock(hashtext('serversync.snapshot'), %(id)s::int) AS unlocked;
+
+-- name: snapshot_next_seq
+-- The seq a snapshot begins at: every row it writes comes after it.
+SELECT nextval(pg_get_serial_sequence('sync.events_outbox', 'seq')) AS seq;
+
+-- name: snapshot_xmax
+-- Taken after snapshot_next_seq: every transaction that could still write a lower seq has an
+-- xid below it.
+SELECT pg_snapshot_xmax(pg_current_snapshot())::text AS xmax;
+
+-- name: snapshot_ready
+-- Whether every transaction with an xid below `xmax` has ended (in any database of the cluster,
+-- prepared ones included): then the snapshot may begin.
+SELECT pg_snapshot_xmin(pg_current_snapshot()) >= %(xmax)s::xid8 AS ready;
+
+-- name: snapshot_begin
+UPDATE sync.snapshots SET begin_seq = %(seq)s, updated_at = now()
+WHERE id = %(id)s AND begin_seq IS NULL AND state = 'running';
+
+-- name: snapshot_chunk
+-- One chunk, its own transaction. It gives up on a row lock held longer than the lock timeout
+-- (a producer's edit in progress wins the wait), and the chunk is tried again.
+SELECT rows_written, table_done
+FROM sync.snapshot_chunk(%(id)s, %(position)s, %(chunk_size)s, %(lock_timeout)s);
+
+-- name: snapshot_finish
+SELECT sync.snapshot_finish(%(id)s);
+
+-- name: snapshot_cancel
+UPDATE sync.snapshots SET state = 'cancelled', updated_at = now(), finished_at = now()
+WHERE id = %(id)s AND state = 'running'
+RETURNING id;
+
+-- name: outbox_history
+SELECT complete, reason, since FROM sync.outbox_history;
+
+-- name: outbox_history_incomplete
+-- The outbox no longer holds every change since the start (kept as the first reason given).
+UPDATE sync.outbox_history
+SET complete = false, reason = %(reason)s, since = now()
+WHERE complete;

@@ -318,7 +318,7 @@ async def test_regenerated_relays_stay_both_ways(empty_dsn: str) -> None:
 
 def _row(origin: str | None) -> tuple[Any, ...]:
     created = datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC)
-    return (True, "1", 4, "upsert", "t", "k", '{"a":1}', created, origin)
+    return (True, "1", None, 4, "upsert", "t", "k", '{"a":1}', created, origin, None)
 
 
 def test_an_entry_carries_its_origin_or_this_nodes_name_or_none() -> None:

@@ -114,8 +114,10 @@ async def test_a_changed_function_file_is_applied_again_once_with_the_files_afte
     assert await _migrate(dsn) == [
         "backend/0001_baseline",
         "backend/0002_both_directions",
+        "backend/0003_snapshots",
         "backend/functions/enqueue.sql",
         "backend/functions/relay.sql",
+        "backend/functions/snapshot.sql",
         "backend/functions/track.sql",
     ]
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
@@ -139,7 +141,11 @@ async def test_a_changed_function_file_is_applied_again_once_with_the_files_afte
     # A file that another builds on: both apply again, in order.
     relay = functions / "relay.sql"
     relay.write_text(relay.read_text() + "\n-- changed\n")
-    assert await _migrate(dsn) == ["backend/functions/relay.sql", "backend/functions/track.sql"]
+    assert await _migrate(dsn) == [
+        "backend/functions/relay.sql",
+        "backend/functions/snapshot.sql",
+        "backend/functions/track.sql",
+    ]
     assert await _migrate(dsn) == []
 
     await execute(dsn, "INSERT INTO call_logs (caller_number, callee_number) VALUES ('a', 'b')")

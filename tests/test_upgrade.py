@@ -104,8 +104,10 @@ async def test_a_pre_release_database_is_adopted_as_the_baseline_and_keeps_every
         "backend/0001_baseline (adopted: the schema of the pre-release "
         "0001_outbox .. 0012_relay_least_privilege)",
         "backend/0002_both_directions",
+        "backend/0003_snapshots",
         "backend/functions/enqueue.sql",
         "backend/functions/relay.sql",
+        "backend/functions/snapshot.sql",
         "backend/functions/track.sql",
     ]
     assert await _pending(dsn) == []
@@ -194,13 +196,13 @@ async def test_a_migration_after_the_baseline_applies_alone_and_keeps_what_is_st
     await insert_calls(dsn, 3, tag="kept")
     await execute(dsn, "INSERT INTO sync.consumer_offsets (consumer) VALUES ('frontend-sync')")
     written = await fetch_all(dsn, OUTBOX + " ORDER BY o.txid, o.seq")
-    (sql_copy / "backend" / "0003_pause_consumers.sql").write_text(
+    (sql_copy / "backend" / "0004_pause_consumers.sql").write_text(
         "ALTER TABLE sync.consumer_offsets ADD COLUMN paused boolean NOT NULL DEFAULT false;\n"
     )
 
     applied = await _migrate(dsn)
     # The function files did not change: they are not applied again.
-    assert [m.label for m in applied] == ["backend/0003_pause_consumers"]
+    assert [m.label for m in applied] == ["backend/0004_pause_consumers"]
     assert await _migrate(dsn) == []
     assert await fetch_all(dsn, OUTBOX + " ORDER BY o.txid, o.seq") == written
     assert await fetch_all(dsn, "SELECT consumer, paused FROM sync.consumer_offsets") == [

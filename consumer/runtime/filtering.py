@@ -26,11 +26,13 @@ class EntryFilter:
     entity_types: frozenset[str] | None = None
     target_node: str | None = None
 
-    def keeps(self, entity_type: str | None, origin: str | None) -> bool:
-        """Whether an entry of this type and origin is sent."""
+    def keeps(self, entity_type: str | None, origin: str | None, snapshot: bool = False) -> bool:
+        """Whether an entry of this type and origin is sent. An entry of a snapshot goes even to
+        the node it came from: a node being rebuilt needs it, and one that holds its version
+        ignores it, so it never loops."""
         if self.entity_types is not None and entity_type not in self.entity_types:
             return False
-        return self.target_node is None or origin != self.target_node
+        return self.target_node is None or snapshot or origin != self.target_node
 
     def describe(self) -> str:
         """For the start-up log line."""
@@ -58,7 +60,11 @@ class EntryFilter:
         seqs: list[int] = []
         for raw in batch.raw_entries():
             members = json_members(raw.decode())
-            if self.keeps(_text(members.get("entityType")), _text(members.get("origin"))):
+            if self.keeps(
+                _text(members.get("entityType")),
+                _text(members.get("origin")),
+                "snapshot" in members,
+            ):
                 kept.append(raw)
                 seqs.append(int(members["seq"]))
         skipped = batch.count - len(kept)

@@ -64,9 +64,12 @@ class Pipeline:
         self.consumer = consumer
         self.epoch = epoch
         self.store = store
-        # The node's name, given to every read as the origin of changes made here; an unnamed
-        # node's reads take the store's default (no origin).
-        self._read_options: dict[str, str] = {"local_node": local_node} if local_node else {}
+        # Every read names the consumer (a snapshot's rows for another one are passed over) and
+        # the node, the origin of changes made here; an unnamed node's reads take the store's
+        # default (no origin).
+        self._read_options: dict[str, str] = {"consumer": consumer}
+        if local_node:
+            self._read_options["local_node"] = local_node
         self.settler = settler
         self.config = config
         self.stats = stats

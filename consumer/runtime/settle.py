@@ -75,6 +75,9 @@ class Settler:
         passed over (counted SKIPPED when the batch commits), the rest settled by `settle`; a
         batch with nothing to send settles at once, without a request. None if a stop came
         first."""
+        if batch.count == 0:
+            # Only rows of a snapshot for another consumer: read, to move past them.
+            return Settled([], Outcome.SKIPPED, 0)
         if self.entry_filter is None:
             return await self.settle(batch)
         backoff = Backoff(self.config.retry_initial, self.config.retry_max)

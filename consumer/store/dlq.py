@@ -313,6 +313,8 @@ class DlqStore:
             claimed.payload,
             claimed.event_created_at,
             claimed.origin,
+            # A dead letter keeps no snapshot id: retried, it goes as a change of the entity.
+            None,
         )
         batch = Batch(
             count=1,

@@ -54,12 +54,20 @@ class OutboxStore:
         return row[0] if row else None
 
     async def read_batch(
-        self, after: Position, limit: int, *, local_node: str | None = None
+        self,
+        after: Position,
+        limit: int,
+        *,
+        local_node: str | None = None,
+        consumer: str | None = None,
     ) -> ReadResult:
         """Up to `limit` events after `after` whose transactions have all ended (gap-safe).
 
         `local_node` is this node's name (node_name()): the origin the entries of changes made
-        here carry; None leaves it out of them."""
+        here carry; None leaves it out of them. Rows of a snapshot for one consumer
+        (target_consumer) are read by every consumer, to move past them, and left out of the
+        batch of every other than `consumer`: a batch may then have no entry (count 0), and
+        still ends after them."""
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 query("read_batch"),
@@ -72,13 +80,14 @@ class OutboxStore:
         if rows[0][1] is None:
             return ReadResult(None, held_back)
         last = rows[-1]
-        seqs = [row[2] for row in rows]
+        seqs = [row[3] for row in rows]
+        ours = [row for row in rows if row[2] is None or row[2] == consumer]
         batch = Batch(
-            count=len(rows),
-            end=Position(int(last[1]), last[2]),
+            count=len(ours),
+            end=Position(int(last[1]), last[3]),
             min_seq=min(seqs),
             max_seq=max(seqs),
-            write_entries=functools.partial(encode_entries, rows, local_node=local_node),
+            write_entries=functools.partial(encode_entries, ours, local_node=local_node),
         )
         return ReadResult(batch, held_back)
 

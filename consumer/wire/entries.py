@@ -11,29 +11,35 @@ import orjson
 
 # The trailing columns of a row that `encode_entries` reads, in this order; earlier columns
 # (the batch's horizon flag and txid, for instance) are the caller's own.
-ENTRY_COLUMNS = ("seq", "op", "entity_type", "entity_id", "payload", "created_at", "origin")
+ENTRY_COLUMNS = (
+    "seq", "op", "entity_type", "entity_id", "payload", "created_at", "origin", "snapshot_id"
+)  # fmt: skip
 
 
 def encode_entries(rows: Iterable[Sequence[Any]], *, local_node: str | None = None) -> bytes:
     """The JSON array of entries for `rows`, each ending with ENTRY_COLUMNS: seq (int), op,
     entity type and id (text), the payload's stored json text (passed through byte for byte,
     never parsed: a number wider than a double stays as written), created_at (a datetime or
-    None) and origin (the node where the change was first made; None for a change made here).
+    None), origin (the node where the change was first made; None for a change made here) and
+    snapshot_id (the snapshot the row belongs to; None for a change).
 
     An entry's "origin" is its origin, or `local_node` (this node's name) for a change made
-    here; it is left out when both are None, as every entry was before nodes had names."""
+    here; it is left out when both are None, as every entry was before nodes had names. An
+    entry of a snapshot carries "snapshot", its id; a change has none."""
     entries: list[dict[str, Any]] = []
     for row in rows:
         entry = {
-            "entityType": row[-5],
-            "entityId": row[-4],
-            "op": row[-6],
-            "seq": row[-7],
-            "payload": orjson.Fragment(row[-3]),
-            "createdAt": row[-2],
+            "entityType": row[-6],
+            "entityId": row[-5],
+            "op": row[-7],
+            "seq": row[-8],
+            "payload": orjson.Fragment(row[-4]),
+            "createdAt": row[-3],
         }
-        origin = row[-1] if row[-1] is not None else local_node
+        origin = row[-2] if row[-2] is not None else local_node
         if origin is not None:
             entry["origin"] = origin
+        if row[-1] is not None:
+            entry["snapshot"] = row[-1]
         entries.append(entry)
     return orjson.dumps(entries)

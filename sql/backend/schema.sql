@@ -4,8 +4,9 @@
 -- queue, this node's name and the row versions of tables tracked both ways, and the roles and
 -- grants that keep producers out of all of it; then, through psql's \ir, the function files
 -- (functions/enqueue.sql: sync.enqueue, an event that is not a row; functions/relay.sql: the
--- relay's helpers and the view of what is tracked; functions/track.sql: sync.track, which
--- generates the relay of a table, and sync.untrack), each of which lives in that one file only.
+-- relay's helpers and the view of what is tracked; functions/snapshot.sql: writing a snapshot;
+-- functions/track.sql: sync.track, which generates the relay of a table, and sync.untrack),
+-- each of which lives in that one file only.
 --
 -- Databases are made by `serversync migrate` (versioned migrations, then the function files;
 -- consumer/store/migrations.py), not from this file, and serversync's bookkeeping table
@@ -50,6 +51,14 @@ CREATE TABLE sync.events_outbox (
     -- transaction, the one-way templates included, records it through this default. The
     -- setting reads '' once a transaction that set it has ended, hence nullif.
     origin      text        DEFAULT nullif(current_setting('serversync.origin', true), ''),
+    -- The snapshot the row belongs to (NULL: a change). Its wire entry carries it, and a
+    -- consumer sends it even to the node the row's version came from (a node being rebuilt
+    -- needs it; one that holds it ignores it by its version guard).
+    snapshot_id bigint,
+    -- NULL: every consumer reads the row; else only the consumer of that name (a snapshot for
+    -- one consumer), and every other passes over it. Neither column has a default: the relay's
+    -- INSERT does not pay for them.
+    target_consumer text,
     PRIMARY KEY (txid, seq)
 );
 
@@ -141,7 +150,7 @@ CREATE TABLE sync.dlq_messages (
     seq           bigint      NOT NULL,
     entity_type   text        NOT NULL,
     entity_id     text        NOT NULL,
-    op            text        NOT NULL CHECK (op IN ('upsert', 'delete')),
+    op            text        NOT NULL CHECK (op IN ('upsert', 'delete', 'sweep')),
     payload       json        NOT NULL,
     event_created_at timestamptz,
     error_code    text        NOT NULL,
@@ -248,6 +257,59 @@ CREATE TABLE sync.enqueue_keys (
     idempotency_key text        COLLATE "C" PRIMARY KEY,
     created_at      timestamptz NOT NULL DEFAULT now()
 );
+
+-- == Snapshots ===================================================================================
+-- One row per snapshot asked for, by an operator (`serversync snapshot`) or for a consumer that
+-- registered when the outbox no longer held the whole history. A snapshot is written in chunks,
+-- each its own short transaction (functions/snapshot.sql), and resumed from its last chunk after
+-- a crash or a stop.
+CREATE TABLE sync.snapshots (
+    id             bigserial   PRIMARY KEY,
+    -- NULL: for every consumer; else for this one only (its rows carry target_consumer).
+    consumer       text        CHECK (consumer ~ '^[a-z][a-z0-9_-]{0,62}$'),
+    requested_by   text        NOT NULL CHECK (requested_by IN ('operator', 'new consumer')),
+    -- End with a sweep marker per entity type: a receiver may then delete what the snapshot did
+    -- not mention (docs/wire-contract.md, Snapshots).
+    delete_missing boolean     NOT NULL DEFAULT false,
+    state          text        NOT NULL DEFAULT 'running'
+                               CHECK (state IN ('running', 'done', 'cancelled')),
+    -- An outbox seq taken when the snapshot began, once every transaction that could still write
+    -- a lower one had ended: every row it sends has a higher seq. NULL until it has begun.
+    begin_seq      bigint,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    updated_at     timestamptz NOT NULL DEFAULT now(),
+    finished_at    timestamptz
+);
+CREATE INDEX idx_snapshots_running ON sync.snapshots (consumer) WHERE state = 'running';
+
+-- The tables of a snapshot, sent one after the other in `position` order, each in key order:
+-- last_key is the key (as text) up to which the table is sent.
+CREATE TABLE sync.snapshot_tables (
+    snapshot_id bigint   NOT NULL REFERENCES sync.snapshots (id) ON DELETE CASCADE,
+    position    integer  NOT NULL,
+    relation    regclass NOT NULL,
+    entity_type text     NOT NULL,
+    key_column  text     NOT NULL,
+    both_ways   boolean  NOT NULL DEFAULT false,
+    last_key    text,
+    -- Rows the table held when the snapshot was asked for (a count, for progress only).
+    rows_total  bigint   NOT NULL DEFAULT 0,
+    rows_sent   bigint   NOT NULL DEFAULT 0,
+    done        boolean  NOT NULL DEFAULT false,
+    PRIMARY KEY (snapshot_id, position)
+);
+
+-- == Whether the outbox holds the whole history ================================================
+-- One row: false once `serversync cleanup` deleted outbox rows, or a table that already held rows
+-- was tracked. A consumer registered after that starts with a snapshot of the tables it carries
+-- (unless told to start from now or from the outbox's start).
+CREATE TABLE sync.outbox_history (
+    one_row  boolean     PRIMARY KEY DEFAULT true CHECK (one_row),
+    complete boolean     NOT NULL DEFAULT true,
+    reason   text,
+    since    timestamptz
+);
+INSERT INTO sync.outbox_history (one_row) VALUES (true);
 
 -- == Roles and grants ===========================================================================
 -- A producer needs no privilege on the schema sync: the relay's generated functions are
@@ -383,4 +445,5 @@ $revoke$;
 -- == The relay ==================================================================================
 \ir functions/enqueue.sql
 \ir functions/relay.sql
+\ir functions/snapshot.sql
 \ir functions/track.sql

@@ -83,10 +83,15 @@ class WatchedStore(OutboxStore):
         self.last: ReadResult | None = None
 
     async def read_batch(
-        self, after: Position, limit: int, *, local_node: str | None = None
+        self,
+        after: Position,
+        limit: int,
+        *,
+        local_node: str | None = None,
+        consumer: str | None = None,
     ) -> ReadResult:
         """OutboxStore.read_batch, counted."""
-        result = await super().read_batch(after, limit, local_node=local_node)
+        result = await super().read_batch(after, limit, local_node=local_node, consumer=consumer)
         self.reads += 1
         self.full_reads += result.batch is not None and result.batch.count == limit
         self.held_back_reads += result.held_back
