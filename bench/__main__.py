@@ -1,5 +1,6 @@
-"""`python -m bench [drain|latency|producer|all] [--quick]`, `python -m bench instructions`,
-`python -m bench compare A B` and `python -m bench render RESULT.json`."""
+"""`python -m bench [drain|latency|producer|snapshot|all] [--quick]`,
+`python -m bench instructions`, `python -m bench compare A B` and
+`python -m bench render RESULT.json`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import drain, instructions, latency, producer, receivers, report
+from bench import drain, instructions, latency, producer, receivers, report, snapshot
 from bench.harness import bench_server, execute, fresh_databases, machine, produce_calls, progress
 
 
@@ -28,13 +29,22 @@ def _receivers(value: str) -> tuple[str, ...]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("drain", "latency", "producer", "all"):
+    for name in ("drain", "latency", "producer", "snapshot", "all"):
         p = sub.add_parser(name, help=f"run the {name} benchmark" if name != "all" else "run all")
         p.add_argument("--quick", action="store_true", help="small sizes: a smoke run (< 2 min)")
         p.add_argument("--events", type=int, help="drain backlog size (default 1,000,000)")
+        p.add_argument(
+            "--rows",
+            type=int,
+            help="snapshot: rows of the table (default --events, else 1,000,000; quick 100,000)",
+        )
         p.add_argument("--batch-size", type=int, default=1000)
         p.add_argument("--rate", type=float, default=1000.0, help="latency: events/s")
-        p.add_argument("--seconds", type=float, help="latency and producer duration per mode")
+        p.add_argument(
+            "--seconds",
+            type=float,
+            help="latency, producer and snapshot (its producers) duration per mode",
+        )
         p.add_argument(
             "--poll-interval",
             type=float,
@@ -44,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--rounds",
             type=int,
-            help="producer and --receivers: interleaved rounds, each figure their median"
+            help="producer, snapshot and --receivers: interleaved repeats, each figure their median"
             " (default 3, quick 2)",
         )
         p.add_argument(
@@ -106,6 +116,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "quick": quick,
             "rounds": rounds,
             "receivers": list(args.receivers),
+            "snapshot_rows": args.rows or events,
         },
     }
     workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
@@ -179,6 +190,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             # figures were measured without.
             result["drain"]["receivers"] = await receivers.compare(
                 env, events, args.batch_size, rounds, args.receivers
+            )
+        if args.command in ("snapshot", "all"):
+            # Last: it empties the outbox before each of its measurements.
+            progress(f"snapshot: a table of {args.rows or events:,} rows")
+            result["snapshot"] = await snapshot.run_snapshot_bench(
+                env, rows=args.rows or events, seconds=max(1, round(seconds)), repeats=rounds
             )
     result["targets"] = report.targets(result)
     path = report.write(result, name, args.out)
@@ -292,6 +309,8 @@ def _summary(result: dict[str, Any]) -> str:
                     for kind in producer.KINDS
                 )
             )
+    if "snapshot" in result:
+        lines.extend(_snapshot_summary(result["snapshot"]))
     for key, check in result.get("targets", {}).items():
         mark = "ok  " if check["met"] else "MISS"
         lines.append(f"[{mark}] {key}: {check['measured']} (target {check['target']})")
@@ -314,6 +333,58 @@ def _receivers_summary(r: dict[str, Any]) -> list[str]:
             )
     if "ratios" in r:
         lines.append("  mapped / generic: " + ", ".join(f"{k} {v}" for k, v in r["ratios"].items()))
+    return lines
+
+
+def _largest(shares: dict[str, float], count: int) -> list[tuple[str, float]]:
+    """The `count` largest shares, largest first (a result file keeps its keys sorted by name)."""
+    return sorted(shares.items(), key=lambda item: -item[1])[:count]
+
+
+def _snapshot_summary(s: dict[str, Any]) -> list[str]:
+    """The snapshot against COPY of the same rows, and the producers alone and during one."""
+    reads = s["reads"]
+    lines = [
+        f"snapshot of a table of {s['rows']:,} rows ({s['row_bytes']} bytes each, {s['json_bytes']}"
+        f" as JSON), median of {s['repeats']} interleaved repeats:"
+    ]
+    for key in snapshot.READS:
+        f = reads[key]
+        line = f"  {snapshot.LABELS[key]:24} {f['rows_per_sec']:>12,.0f} rows/s"
+        if "outbox_bytes_per_row" in f:
+            line += f"  outbox {f['outbox_bytes_per_row']:,.0f} B/row"
+        line += f"  WAL {f['wal_bytes_per_row']:,.0f} B/row"
+        lines.append(line)
+        if f.get("cpu_us_per_row"):
+            lines.append(
+                f"  {'':24} CPU us/row: "
+                + ", ".join(f"{k} {v}" for k, v in f["cpu_us_per_row"].items())
+            )
+    lines.append("  ratios: " + ", ".join(f"{k} {v}" for k, v in reads["ratios"].items()))
+    p = s["producers"]
+    lines.append(
+        f"producers (single-row UPDATEs of the table, {p['clients']} connections, {p['seconds']}s)"
+        " alone and while snapshots run:"
+    )
+    for key in ("alone", "during_snapshot", "during_paced_snapshot"):
+        f = p[key]
+        lines.append(
+            f"  {key.replace('_', ' '):24} {f['tps']:>12,.0f} tps  latency avg"
+            f" {f['latency_avg_ms']} ms, p50 {f['latency_p50_ms']} ms, p99 {f['latency_p99_ms']} ms"
+        )
+        lines.append(
+            f"  {'':24} statements' time: "
+            + ", ".join(f"{event} {share}" for event, share in _largest(f["waits"], 5))
+        )
+    lines.append(
+        f"  tps during / alone: {p['tps_during_to_alone']}; the snapshot under that load:"
+        f" {p['during_snapshot']['snapshot_rows_per_sec']:,.0f} rows/s"
+    )
+    lines.append(
+        f"  tps during a snapshot paced at {p['paced_rate']:,.0f} rows/s / alone:"
+        f" {p['tps_during_paced_to_alone']}; the snapshot:"
+        f" {p['during_paced_snapshot']['snapshot_rows_per_sec']:,.0f} rows/s"
+    )
     return lines
 
 

@@ -105,6 +105,37 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "measured": round(ratio / quiet, 3),
             "met": ratio >= 0.95 * quiet,
         }
+    snapshot = result.get("snapshot")
+    if snapshot:
+        # A snapshot writes every row into the outbox and its index, WAL-logged, and locks it
+        # (FOR SHARE: a WAL record and a dirtied page), where COPY only reads it out: a fifth of
+        # COPY's rate, with the default chunk size, is what that work leaves room for.
+        ratio = snapshot["reads"]["ratios"]["snapshot_to_copy"]
+        checks["snapshot_vs_copy_rows_per_sec"] = {
+            "target": ">= 0.2 of COPY of the same rows (chunks of 1000)",
+            "measured": ratio,
+            "met": ratio >= 0.2,
+        }
+        # Producers of the same table keep most of their rate while a snapshot runs: its chunks
+        # hold their rows' locks for milliseconds, and it shares the server's CPU and WAL. An
+        # unpaced snapshot takes what the disk gives (its WAL competes with the producers'
+        # commits); one paced with --max-rate leaves them nearly undisturbed.
+        producers = snapshot["producers"]
+        during = producers["tps_during_to_alone"]
+        checks["snapshot_producer_tps_ratio"] = {
+            "target": ">= 0.5 of producers' tps alone (unpaced snapshot)",
+            "measured": during,
+            "met": during >= 0.5,
+        }
+        if "tps_during_paced_to_alone" in producers:
+            paced = producers["tps_during_paced_to_alone"]
+            checks["snapshot_paced_producer_tps_ratio"] = {
+                "target": (
+                    f">= 0.8 of producers' tps alone (--max-rate {producers['paced_rate']:.0f})"
+                ),
+                "measured": paced,
+                "met": paced >= 0.8,
+            }
     return checks
 
 
@@ -132,6 +163,8 @@ def chart(result: dict[str, Any], path: Path) -> bool:
     panels = [p for p in ("drain", "latency", "producer", "instructions") if result.get(p)]
     if (result.get("drain") or {}).get("receivers", {}).get("ratios"):
         panels.insert(1, "receivers")
+    if result.get("snapshot"):
+        panels += ["snapshot", "snapshot_producers"]
     if not panels:
         return False
     rows = max(
@@ -174,6 +207,10 @@ def chart(result: dict[str, Any], path: Path) -> bool:
             ax.set_ylabel("commit -> applied (ms)")
             ax.set_title("latency")
             ax.legend()
+        elif panel == "snapshot":
+            _snapshot_panel(ax, result["snapshot"])
+        elif panel == "snapshot_producers":
+            _snapshot_producers_panel(ax, result["snapshot"]["producers"])
         elif panel == "instructions":
             per = result["instructions"]["thousand_instructions_per_statement"]
             _hbars(ax, [key.replace("_", " ") for key in per], list(per.values()), "#72a", "%.1f")
@@ -210,6 +247,47 @@ def _receivers_panel(ax: Any, r: dict[str, Any]) -> None:
     ratio = r.get("ratios", {}).get("receiver_side_cpu")
     ax.set_title(f"receivers, {r['events']:,} events (mapped / generic {ratio})")
     ax.legend(fontsize=8)
+
+
+def _snapshot_panel(ax: Any, s: dict[str, Any]) -> None:
+    """Rows/s of a snapshot into the outbox beside COPY of the same rows, and of a snapshot while
+    producers write the table."""
+    reads = s["reads"]
+    references = {"copy": "COPY", "copy_json": "COPY to_json"}
+    shown = [(label, reads[key]["rows_per_sec"]) for key, label in references.items()]
+    shown += [
+        (f"snapshot, chunk {key.rsplit('_', 1)[1]}", figures["rows_per_sec"])
+        for key, figures in reads.items()
+        if key.startswith("snapshot_chunk_")
+    ]
+    shown.append(
+        (
+            f"snapshot, chunk {s['chunk_sizes'][0]},\nproducers writing",
+            s["producers"]["during_snapshot"]["snapshot_rows_per_sec"],
+        )
+    )
+    _hbars(ax, [label for label, _ in shown], [value / 1000 for _, value in shown], "#2a7", "%.1f")
+    ax.set_xlabel("thousand rows/s")
+    ratio = reads["ratios"]["snapshot_to_copy"]
+    ax.set_title(f"snapshot of {s['rows']:,} rows (snapshot / COPY {ratio})")
+
+
+def _snapshot_producers_panel(ax: Any, p: dict[str, Any]) -> None:
+    """Producers' tps alone and while snapshots run, with their p99 latency in the label."""
+    shown = [
+        (f"{key.replace('_', ' ')}\n(p99 {p[key]['latency_p99_ms']} ms)", p[key]["tps"])
+        for key in ("alone", "during_snapshot", "during_paced_snapshot")
+        if key in p
+    ]
+    _hbars(ax, [label for label, _ in shown], [value for _, value in shown], "#a72", "%.0f")
+    ax.axvline(0.5 * p["alone"]["tps"], color="red", linestyle="--", linewidth=1)
+    ax.axvline(0.8 * p["alone"]["tps"], color="red", linestyle=":", linewidth=1)
+    ax.set_xlabel(
+        "tps, single-row UPDATEs of the table (targets: dashed 0.5 unpaced, dotted 0.8 paced)"
+    )
+    ax.set_title(
+        f"producers, {p['clients']} connections (during / alone {p['tps_during_to_alone']})"
+    )
 
 
 def _hbars(ax: Any, labels: list[str], values: list[float], color: str, fmt: str) -> None:

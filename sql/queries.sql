@@ -36,8 +36,13 @@ LEFT JOIN LATERAL (
 ) b ON true;
 
 -- name: ensure_consumer
-INSERT INTO sync.consumer_offsets (consumer) VALUES (%(consumer)s)
-ON CONFLICT (consumer) DO NOTHING;
+-- Register a consumer at a position unless it is registered: a row back when it registered now,
+-- none when it was there already (a second process of a new consumer waits here for the first
+-- one's transaction, then finds it registered).
+INSERT INTO sync.consumer_offsets (consumer, last_txid, last_seq)
+VALUES (%(consumer)s, %(txid)s::xid8, %(seq)s)
+ON CONFLICT (consumer) DO NOTHING
+RETURNING consumer;
 
 -- name: try_leader_lock
 SELECT pg_try_advisory_lock(hashtext('serversync.consumer'), hashtext(%(consumer)s)) AS locked;
@@ -674,3 +679,8 @@ SELECT complete, reason, since FROM sync.outbox_history;
 UPDATE sync.outbox_history
 SET complete = false, reason = %(reason)s, since = now()
 WHERE complete;
+
+-- == A consumer registered for the first time (consumer/store/new_consumers.py) ==================
+
+-- name: consumer_registered
+SELECT EXISTS (SELECT FROM sync.consumer_offsets WHERE consumer = %(consumer)s) AS registered;

@@ -23,6 +23,10 @@ import pytest
 
 from bench.producer import BULK_MODES, DURABLE_MODES, KINDS, MODES, RELAY_COST_TABLES
 from bench.receivers import RATIOS, RECEIVER_PARTS, RECEIVERS
+from bench.snapshot import LABELS as SNAPSHOT_LABELS
+from bench.snapshot import RATIOS as SNAPSHOT_RATIOS
+from bench.snapshot import READS as SNAPSHOT_READS_MEASURED
+from bench.snapshot import SNAPSHOT_READS
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -354,3 +358,90 @@ def test_bench_instructions_counts_what_the_relay_adds(tmp_path: Path) -> None:
         assert f"relay +{relay}" in result.stdout, kind
     assert "relay / minimal trigger" in result.stdout
     assert (tmp_path / "count.png").stat().st_size > 1000
+
+
+def check_snapshot(snapshot: dict[str, Any], rows: int, repeats: int) -> None:
+    """Every way of reading the table read all of its rows, at the rate its rows and seconds
+    give; each snapshot wrote exactly one outbox row per table row; each ratio is the quotient
+    of the two rates it names; the producers ran alone and beside a snapshot that wrote rows."""
+    assert (snapshot["rows"], snapshot["repeats"]) == (rows, repeats)
+    assert snapshot["row_bytes"] > 0
+    reads = snapshot["reads"]
+    for key in SNAPSHOT_READS_MEASURED:
+        figures = reads[key]
+        assert figures["rows"] == rows, key
+        assert figures["seconds"] > 0, key
+        assert figures["rows_per_sec"] > 0, key
+        assert math.isclose(figures["rows_per_sec"], rows / figures["seconds"], rel_tol=0.001), key
+        assert len(figures["rows_per_sec_runs"]) == repeats, key
+        assert figures["cpu_us_per_row"]["total"] >= 0, key
+    for key in SNAPSHOT_READS:
+        figures = reads[key]
+        assert figures["outbox_rows"] == rows, key
+        assert figures["outbox_rows_runs"] == [rows] * repeats, key
+        assert figures["outbox_bytes_per_row"] > 0, key
+        assert figures["wal_bytes_per_row"] > 0, key
+    assert set(reads["ratios"]) == set(SNAPSHOT_RATIOS)
+    for name, (top, bottom) in SNAPSHOT_RATIOS.items():
+        assert_ratio(
+            reads["ratios"][name], reads[top]["rows_per_sec"], reads[bottom]["rows_per_sec"], name
+        )
+    producers = snapshot["producers"]
+    alone, during = producers["alone"], producers["during_snapshot"]
+    paced = producers["during_paced_snapshot"]
+    for figures in (alone, during, paced):
+        assert figures["tps"] > 0
+        assert figures["transactions"] > 0
+        assert 0 < figures["latency_p50_ms"] <= figures["latency_p99_ms"], figures
+        assert figures["latency_avg_ms"] > 0
+        assert figures["waits"], figures  # the producers' statements were sampled
+    for figures in (during, paced):
+        assert figures["snapshot_rows"] > 0
+        assert figures["snapshot_rows_per_sec"] > 0
+    # Paced, the snapshot keeps to its rate (a chunk may run ahead of it by its own rows).
+    assert paced["snapshot_rows_per_sec"] <= producers["paced_rate"] * 1.2, paced
+    assert {name: len(runs) for name, runs in producers["tps_runs"].items()} == {
+        "alone": repeats,
+        "during_snapshot": repeats,
+        "during_paced_snapshot": repeats,
+    }
+    assert_ratio(producers["tps_during_to_alone"], during["tps"], alone["tps"], "during / alone")
+    assert_ratio(
+        producers["tps_during_paced_to_alone"], paced["tps"], alone["tps"], "paced / alone"
+    )
+
+
+def test_bench_snapshot_reports_the_snapshot_beside_copy_and_producers(tmp_path: Path) -> None:
+    result = _bench(
+        *("snapshot", "--quick", "--rows", "5000", "--seconds", "1", "--rounds", "1"),
+        *("--name", "snap", "--out", str(tmp_path)),
+    )
+    figures = orjson.loads((tmp_path / "snap.json").read_bytes())
+    assert figures["parameters"]["snapshot_rows"] == 5000
+    assert "drain" not in figures and "producer" not in figures  # the snapshot part alone
+    snapshot = figures["snapshot"]
+    check_snapshot(snapshot, 5000, 1)
+
+    # Its targets report the ratios they name, and say met when the ratio meets them.
+    targets = figures["targets"]
+    ratio = snapshot["reads"]["ratios"]["snapshot_to_copy"]
+    assert targets["snapshot_vs_copy_rows_per_sec"]["measured"] == ratio
+    assert targets["snapshot_vs_copy_rows_per_sec"]["met"] is (ratio >= 0.2)
+    during = snapshot["producers"]["tps_during_to_alone"]
+    assert targets["snapshot_producer_tps_ratio"]["measured"] == during
+    assert targets["snapshot_producer_tps_ratio"]["met"] is (during >= 0.5)
+    paced = snapshot["producers"]["tps_during_paced_to_alone"]
+    assert targets["snapshot_paced_producer_tps_ratio"]["measured"] == paced
+    assert targets["snapshot_paced_producer_tps_ratio"]["met"] is (paced >= 0.8)
+
+    # The summary a reader sees says the same.
+    out = result.stdout
+    assert "snapshot of a table of 5,000 rows" in out
+    for key, label in SNAPSHOT_LABELS.items():
+        rate = snapshot["reads"][key]["rows_per_sec"]
+        assert re.search(rf"^  {re.escape(label)} +{rate:,.0f} rows/s", out, re.MULTILINE), key
+    assert f"tps during / alone: {during}" in out
+    for name, check in targets.items():
+        mark = "ok  " if check["met"] else "MISS"
+        assert f"[{mark}] {name}: {check['measured']}" in out, name
+    assert (tmp_path / "snap.png").stat().st_size > 1000

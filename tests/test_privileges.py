@@ -929,3 +929,53 @@ async def test_a_migrating_role_hands_sync_enqueue_to_serversync_relay(
         {"producer": PRODUCER_ROLE, "relay": RELAY_ROLE},
     )
     assert rights == [(RELAY_ROLE if may_join else owner, True, False)]
+
+
+async def test_the_documented_snapshot_grants_write_a_snapshot_and_without_them_one_line(
+    backend_dsn: str, roles: Roles
+) -> None:
+    """A role with exactly the grants docs/security.md gives a snapshot writer (for the table it
+    sends) runs `serversync snapshot`; one without UPDATE on the table (FOR SHARE needs it) is
+    told so in one line, and nothing is written."""
+    await insert_callers(backend_dsn, ["s1", "s2", "s3"])
+    await execute(backend_dsn, "DELETE FROM sync.events_outbox")
+    writer = await roles.create("snapshot", backend_dsn)
+    statements = documented_grants("serversync_snapshot")
+    await execute(
+        backend_dsn,
+        *(
+            re.sub(r"\bserversync_snapshot\b", writer, s).replace(
+                "public.registered_numbers", "public.call_logs"
+            )
+            for s in statements
+        ),
+    )
+    reader = await roles.create("reader", backend_dsn)
+    await execute(
+        backend_dsn,
+        *(
+            re.sub(r"\bserversync_snapshot\b", reader, s)
+            for s in statements
+            if "registered_numbers" not in s
+        ),
+        grant("GRANT SELECT ON public.call_logs TO {}", reader),
+    )
+
+    env = cli_env(DATABASE_URL=as_role(backend_dsn, reader), FRONTEND_BASE_URL="http://127.0.0.1:9")
+    refused = await finish(await start_cli("snapshot", "public.call_logs", env=env))
+    assert refused.code != 0
+    assert "Traceback" not in refused.stderr
+    # Progress lines, then one line that says what is missing.
+    [error] = [line for line in refused.stderr.splitlines() if line.startswith("serversync:")]
+    assert "permission denied for table call_logs" in error
+    assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.events_outbox") == 0
+
+    # A role that holds the grants resumes the snapshot the refused one asked for.
+    await cli_as(backend_dsn, writer, "snapshot", "public.call_logs", frontend="http://127.0.0.1:9")
+    sent = await fetch_all(
+        backend_dsn,
+        "SELECT payload->>'caller_number' FROM sync.events_outbox"
+        " WHERE snapshot_id IS NOT NULL ORDER BY seq",
+    )
+    assert sorted(caller for (caller,) in sent) == ["s1", "s2", "s3"]
+    assert await fetch_all(backend_dsn, "SELECT id, state FROM sync.snapshots") == [(1, "done")]

@@ -178,10 +178,22 @@ class SyncSettings(_Base):
         None, pattern=CONSUMER_NAME, validation_alias="SYNC_TARGET_NODE"
     )
 
+    # Where a consumer registered for the first time starts (consumer/store/new_consumers.py):
+    # "auto", the outbox's start while it holds the whole history, else its current end with a
+    # snapshot of the tables the consumer carries; "now", the current end with no snapshot;
+    # "earliest", the outbox's start with no snapshot. `run --from-now/--from-earliest` override
+    # it; a registered consumer goes on from its offset whatever it says.
+    start_from: Literal["auto", "now", "earliest"] = Field("auto", validation_alias="SYNC_START")
+
     @field_validator("consumers_file", "target_node", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return _unset_when_empty(value)
+
+    @field_validator("start_from", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @property
     def frontend_url(self) -> str:

@@ -33,6 +33,7 @@ from consumer.observability.telemetry import Telemetry
 from consumer.ops import gauges
 from consumer.ops.deadletters import DeadLetters, SinkFactory
 from consumer.ops.port import PING_TIMEOUT_SEC, Health, MetricsEndpoint, build_ops_app
+from consumer.runtime.snapshotting import NewConsumerSnapshots, StartPolicy
 from consumer.runtime.wakeup import NotifyListener
 from consumer.runtime.worker import ConsumerRuntime
 from consumer.sinks.null import NullSink
@@ -119,6 +120,13 @@ async def consumer_runtime(
                 runtime_config(settings), max_in_flight=kind.batches_in_flight(settings)
             ),
             entry_filter=entry_filter,
+            start=StartPolicy(settings.start_from, kind.entity_types if delivers else None),
+            snapshots=NewConsumerSnapshots(
+                consumer,
+                dsn,
+                retry_initial=settings.retry_initial_sec,
+                retry_max=settings.retry_max_sec,
+            ),
         )
 
 

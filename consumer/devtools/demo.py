@@ -9,7 +9,9 @@ delivering to a second receiver that maps the settings into the backend's own ta
 
 First an operator adds a registered number in the frontend's database: timed until it is in the
 backend's registered_numbers, and shown not to come back. Then call logs are written to the
-backend and watched arriving at the frontend's receiver; then a few calls get a real recording
+backend and watched arriving at the frontend's receiver; then a table filled before it was
+tracked reaches the frontend through `serversync snapshot` while its rows keep changing, and the
+two copies are compared row by row; then a few calls get a real recording
 (a short WAV tone and its meta.json in a temp RECORDINGS_DIR), and each one is checked end to
 end: uploaded, playable from its fileUrl, marked uploaded at the backend, gone from the backend's
 disk, and delivered with its URL to the receiver's database. Exit 0 only when every check holds;
@@ -40,6 +42,7 @@ from consumer.devtools.demo_settings import (
     name_and_track,
     settings_edit,
 )
+from consumer.devtools.demo_snapshot import snapshot_step
 from consumer.devtools.demo_steps import (
     CONSUMERS,
     SETTINGS_CONSUMER,
@@ -207,6 +210,7 @@ async def run_demo(calls: int = 5, recordings: int = 3) -> int:
             )
             await settings_edit(run, metrics_url(http_ports["frontend-sync"]))
             await call_logs(run, calls)
+            await snapshot_step(run, to_frontend, backend)
             if recordings > 0:
                 await check_recordings(run, recordings)
             await zero_backlog(run)

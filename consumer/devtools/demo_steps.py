@@ -97,7 +97,7 @@ async def fetch_one(conn: psycopg.AsyncConnection[Any], sql: str, params: Any = 
     return await cur.fetchone()
 
 
-def _require(condition: bool, reason: str) -> None:
+def require(condition: bool, reason: str) -> None:
     if not condition:
         raise DemoCheckFailed(reason)
 
@@ -228,21 +228,21 @@ async def _check_recording(run: DemoRun, recording: DemoRecording, latency_ms: f
     marked = await fetch_one(
         run.backend, "SELECT upload_status, s3_url FROM recordings WHERE id = %s", (rid,)
     )
-    _require(marked is not None, f"recording {rid}: the row is gone from the backend")
+    require(marked is not None, f"recording {rid}: the row is gone from the backend")
     status, file_url = marked
-    _require(status == "uploaded", f"recording {rid}: upload_status is {status!r} at the backend")
-    _require(bool(file_url), f"recording {rid}: no s3_url at the backend")
+    require(status == "uploaded", f"recording {rid}: upload_status is {status!r} at the backend")
+    require(bool(file_url), f"recording {rid}: no s3_url at the backend")
     print(f"    {recording.tone_hz:5.1f} Hz  uploaded in {latency_ms:5.1f} ms -> {file_url}")
 
     # Playable: the whole file back, byte for byte, a valid WAV; and a seek (Range) answered 206.
     async with run.http.get(file_url) as response:
         body = await response.read()
-        _require(response.status == 200, f"GET {file_url} answered {response.status}")
+        require(response.status == 200, f"GET {file_url} answered {response.status}")
         content_type = response.content_type
-    _require(
+    require(
         content_type.startswith("audio/"), f"GET {file_url} answered Content-Type {content_type}"
     )
-    _require(
+    require(
         body == recording.audio,
         f"GET {file_url} returned {len(body)} bytes that differ from the {len(recording.audio)} "
         "written",
@@ -252,14 +252,14 @@ async def _check_recording(run: DemoRun, recording: DemoRecording, latency_ms: f
             channels, rate, frames = wav.getnchannels(), wav.getframerate(), wav.getnframes()
     except (wave.Error, EOFError) as exc:
         raise DemoCheckFailed(f"GET {file_url} is not a valid WAV: {exc}") from None
-    _require(
+    require(
         (channels, rate, frames) == (1, SAMPLE_RATE, int(TONE_SECONDS * SAMPLE_RATE)),
         f"GET {file_url}: WAV has {channels} ch, {rate} Hz, {frames} frames",
     )
     last = WAV_HEADER_BYTES - 1
     async with run.http.get(file_url, headers={"Range": f"bytes=0-{last}"}) as response:
         head = await response.read()
-        _require(
+        require(
             response.status == 206 and head == recording.audio[:WAV_HEADER_BYTES],
             f"GET {file_url} with Range bytes=0-{last} answered {response.status} "
             f"with {len(head)} bytes, not 206 with the WAV header",
@@ -271,14 +271,14 @@ async def _check_recording(run: DemoRun, recording: DemoRecording, latency_ms: f
 
     # Gone from the backend's disk; the row, with its URL, at the receiver through frontend-sync.
     folder = run.recordings_dir / recording.call_id
-    _require(not folder.exists(), f"recording {rid}: {folder} is still on the backend's disk")
+    require(not folder.exists(), f"recording {rid}: {folder} is still on the backend's disk")
     row = await fetch_one(
         run.frontend,
         "SELECT payload->>'upload_status', payload->>'s3_url' FROM ingest.live_entities "
         "WHERE entity_type = 'recording' AND entity_id = %s",
         (rid,),
     )
-    _require(
+    require(
         row is not None and tuple(row) == ("uploaded", file_url),
         f"recording {rid}: the receiver's database has {row!r}, not ('uploaded', {file_url!r})",
     )

@@ -101,8 +101,8 @@ async def ingest_sync(request: web.Request) -> web.Response:
     try:
         applied = await request.app[STORE_KEY].apply(body, ingest["entries"])
     except EntryRefused as exc:
-        # A mapped entry without its version, or one its table refuses: the sender's bisection
-        # parks just that entry.
+        # A mapped entry without its version, a sweep of a mapped type, or an entry its table
+        # refuses: the sender's bisection parks just that entry.
         return error_response(422, "INGEST_VALIDATION_ERROR", str(exc), field=exc.field)
     except ROW_BUSY as exc:
         # A local transaction holds a row this request writes (lock_timeout), or two

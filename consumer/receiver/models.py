@@ -8,10 +8,14 @@ the drain bench), and the payload goes to PostgreSQL untouched anyway.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
 from typing import Annotated, Any, Literal, NotRequired
 
 import orjson
 from pydantic import (
+    AfterValidator,
     ConfigDict,
     Field,
     PlainValidator,
@@ -39,16 +43,46 @@ def _json_object(value: object) -> dict[str, Any]:
     return value
 
 
-def _seq(value: object) -> int:
-    """A JSON integer from 1 to a bigint's maximum. Written as 8444.0 it is the same number (a
-    JSON Schema integer is any number with a zero fraction); 8444.5, true and "8444" are not."""
+def _bigint(value: object, minimum: int) -> int:
+    """A JSON integer from `minimum` to a bigint's maximum. Written as 8444.0 it is the same
+    number (a JSON Schema integer is any number with a zero fraction); 8444.5, true and "8444"
+    are not."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError("must be an integer")
-    if not 1 <= value <= MAX_SEQ:
-        raise ValueError(f"must be between 1 and {MAX_SEQ}")
+    if not minimum <= value <= MAX_SEQ:
+        raise ValueError(f"must be between {minimum} and {MAX_SEQ}")
     return value
+
+
+def _seq(value: object) -> int:
+    """A seq (or a snapshot's id): an integer from 1 to a bigint's maximum."""
+    return _bigint(value, 1)
+
+
+def _keep_from_seq(value: object) -> int:
+    """A sweep's keepFromSeq: an integer from 0 (nothing is older) to a bigint's maximum."""
+    return _bigint(value, 0)
+
+
+class SweepPayload(TypedDict):
+    """The payload of a sweep entry; other members (its "snapshot") are ignored."""
+
+    __pydantic_config__ = ConfigDict(extra="ignore")  # type: ignore[misc]
+
+    keepFromSeq: Annotated[int, PlainValidator(_keep_from_seq)]
+
+
+class _SweepEntry(TypedDict):
+    """What a sweep entry has beyond any entry: a payload naming the seq it keeps from."""
+
+    __pydantic_config__ = ConfigDict(extra="ignore")  # type: ignore[misc]
+
+    payload: SweepPayload
+
+
+_SWEEP_ENTRY = TypeAdapter(_SweepEntry)
 
 
 class Entry(TypedDict):
@@ -58,7 +92,9 @@ class Entry(TypedDict):
 
     entityType: Annotated[str, StringConstraints(pattern=ENTITY_TYPE_PATTERN)]
     entityId: Annotated[str, StringConstraints(min_length=1, max_length=512)]
-    op: Literal["upsert", "delete"]
+    # "sweep": the end marker of a snapshot asked for with --delete-missing (docs/wire-contract.md,
+    # Snapshots); its payload is a SweepPayload.
+    op: Literal["upsert", "delete", "sweep"]
     # A bigint in the receiver's store (and in the outbox): larger values are a bad field.
     seq: Annotated[int, PlainValidator(_seq)]
     payload: Annotated[dict[str, Any], PlainValidator(_json_object)]
@@ -66,6 +102,16 @@ class Entry(TypedDict):
     # The node where the change was first made; absent from a node without a name. A receiver
     # that maps the entity type into a table requires it (with createdAt, it is the version).
     origin: NotRequired[Annotated[str, StringConstraints(pattern=NODE_PATTERN)] | None]
+    # The snapshot the entry belongs to (an upsert of a snapshot, or its sweep); informational.
+    snapshot: NotRequired[Annotated[int, PlainValidator(_seq)]]
+
+
+def _sweep_checked(entry: Entry) -> Entry:
+    """A sweep entry's payload checked as a SweepPayload: a malformed one is refused naming
+    its field (entries[N].payload.keepFromSeq). Any other entry's payload is not walked."""
+    if entry["op"] == "sweep":
+        _SWEEP_ENTRY.validate_python(entry)
+    return entry
 
 
 class IngestRequest(TypedDict):
@@ -73,10 +119,41 @@ class IngestRequest(TypedDict):
 
     __pydantic_config__ = ConfigDict(extra="ignore")  # type: ignore[misc]
 
-    entries: Annotated[list[Entry], Field(max_length=50_000)]
+    entries: Annotated[
+        list[Annotated[Entry, AfterValidator(_sweep_checked)]], Field(max_length=50_000)
+    ]
 
 
 INGEST_REQUEST = TypeAdapter(IngestRequest)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A validated sweep entry: an entity of `entity_type` whose last applied seq is below
+    `keep_from_seq` is gone (the snapshot sent every live one with a seq at least that, and a
+    change since has one too; one still in flight wins over the tombstone when it arrives)."""
+
+    index: int  # in the request's entries
+    entity_type: str
+    keep_from_seq: int
+
+    @classmethod
+    def of(cls, index: int, entry: Mapping[str, Any]) -> Sweep:
+        """The sweep of a validated sweep entry, `index` in its request."""
+        # int(): validated as an integer, it may be written 8444.0.
+        return cls(index, entry["entityType"], int(entry["payload"]["keepFromSeq"]))
+
+
+_OP = itemgetter("op")
+
+
+def sweeps_of(entries: Sequence[Mapping[str, Any]]) -> list[Sweep]:
+    """The sweep entries of validated `entries`, in request order. Looked for at C speed first
+    (a sweep is rare: one per entity type at the end of a snapshot)."""
+    if "sweep" not in map(_OP, entries):
+        return []
+    return [Sweep.of(index, entry) for index, entry in enumerate(entries) if entry["op"] == "sweep"]
+
 
 # An integer this long is no seq (a bigint has at most 19 digits and a sign); kept as text, it
 # costs no conversion (Python refuses to convert one of more than 4300 digits) and fails the seq

@@ -34,6 +34,7 @@ import psycopg
 from psycopg import sql
 
 from consumer.receiver.mapping import Column, MappedTable, TableMapping
+from consumer.receiver.models import Sweep
 
 __all__ = ["APPLY_LOCK_TIMEOUT", "EntryRefused", "Plan", "TableWriter", "WriteRefused"]
 
@@ -59,6 +60,16 @@ class EntryRefused(Exception):
         self.message = message
 
 
+def _sweep_refused(entity_type: str) -> str:
+    """Why a sweep of a mapped type is refused (the sender parks it, for an operator to see)."""
+    return (
+        f"a sweep of entity type {entity_type!r}, which this receiver applies into a table: "
+        "mapped tables keep versions as (createdAt, origin), not seqs, so a sweep cannot tell "
+        "what the snapshot did not mention; delete such rows by hand, or keep the type in the "
+        "generic store"
+    )
+
+
 class WriteRefused(Exception):
     """PostgreSQL refused the mapped entries' data (a value that does not fit its column, a
     missing required column, a constraint): the transaction is lost, and TableWriter.culprit
@@ -75,8 +86,10 @@ class Plan:
 
     # origin -> [(1-based index in the body's entries, part)], in request order.
     by_origin: dict[str, list[tuple[int, GroupKey]]] = field(default_factory=dict)
-    # How many are for the generic store (not mapped).
+    # How many upserts and deletes are for the generic store (not mapped).
     unmapped: int = 0
+    # The sweeps, all of unmapped types: the generic store applies them.
+    sweeps: list[Sweep] = field(default_factory=list)
     # Every entry of the body falls in one part, under one origin (a batch of one table's
     # changes): its statement reads them all, without numbering them into parts.
     whole: bool = False
@@ -272,8 +285,9 @@ class TableWriter:
 
     def plan(self, entries: Sequence[Mapping[str, Any]]) -> Plan:
         """Which statement part takes each mapped entry. EntryRefused for a mapped entry without
-        an origin or a createdAt (its version). A delete of a type whose mapping ignores deletes
-        is in no part: it changes nothing, and counts as not applied."""
+        an origin or a createdAt (its version), and for a sweep of a mapped type. A delete of a
+        type whose mapping ignores deletes is in no part: it changes nothing, and counts as not
+        applied."""
         plan = Plan()
         by_origin = plan.by_origin
         tables = self.mapping.tables
@@ -290,10 +304,16 @@ class TableWriter:
                 entity_type = entry["entityType"]
                 table = tables.get(entity_type)
                 keys = None
+            op = entry["op"]
+            if op == "sweep":
+                if table is not None:
+                    raise EntryRefused(f"entries[{index}]", _sweep_refused(entry["entityType"]))
+                plan.sweeps.append(Sweep.of(index, entry))
+                continue
             if table is None:
                 plan.unmapped += 1
                 continue
-            if entry["op"] == "delete":
+            if op == "delete":
                 if not table.deletes:
                     whole = False
                     continue
@@ -322,7 +342,7 @@ class TableWriter:
                 first = part
             elif part is not first and part != first:
                 whole = False
-        plan.whole = whole and not plan.unmapped and len(by_origin) == 1
+        plan.whole = whole and not plan.unmapped and not plan.sweeps and len(by_origin) == 1
         return plan
 
     def _statement(

@@ -24,6 +24,7 @@ from consumer.runtime.config import RuntimeConfig
 from consumer.runtime.filtering import EntryFilter
 from consumer.runtime.pipeline import Pipeline
 from consumer.runtime.settle import Settler
+from consumer.runtime.snapshotting import NewConsumerSnapshots, StartPolicy, announce_registration
 from consumer.runtime.stats import RuntimeStats, delivery_health
 from consumer.runtime.steps import LeadershipLostError, Steps
 from consumer.runtime.wakeup import NotifyListener
@@ -49,8 +50,14 @@ class ConsumerRuntime:
         listener: NotifyListener | None,
         config: RuntimeConfig,
         entry_filter: EntryFilter | None = None,
+        start: StartPolicy | None = None,
+        snapshots: NewConsumerSnapshots | None = None,
     ) -> None:
         self.consumer = consumer
+        # Where it starts if it registers now, and who writes the snapshot it may start with
+        # (runtime/snapshotting.py); None: at the outbox's start, no snapshot.
+        self.start = start or StartPolicy()
+        self.snapshots = snapshots
         self.store = store
         # The entries it does not send (None: it sends every one).
         self.entry_filter = entry_filter
@@ -83,7 +90,12 @@ class ConsumerRuntime:
         for failure in Failure:
             # Every reason exported from the start (at 0), so rates and alerts see the first one.
             instruments.DELIVERY_FAILURES.add(0, {"consumer": self.consumer, "reason": failure})
-        await steps.with_db_retry(lambda: self.store.ensure_consumer(self.consumer))
+        registration = await steps.with_db_retry(
+            lambda: self.store.ensure_consumer(
+                self.consumer, start=self.start.start, entity_types=self.start.entity_types
+            )
+        )
+        announce_registration(self.consumer, self.start, registration)
         self.local_node = await steps.with_db_retry(self.store.node_name)
         await self.sink.start()
         try:
@@ -164,6 +176,8 @@ class ConsumerRuntime:
         if self.listener is not None:
             await self.listener.start()
         watchdog = asyncio.create_task(self._watch_lock(), name=f"watch:{self.consumer}")
+        # A new consumer's snapshot is written beside the live stream, for this lead only.
+        snapshots = self.snapshots.start(epoch, steps.stop_event) if self.snapshots else None
         try:
             settler = Settler(
                 self.consumer,
@@ -191,6 +205,8 @@ class ConsumerRuntime:
                 )
             log.info("consumer %s: stopped at position %s", self.consumer, self.stats.position)
         finally:
+            if snapshots is not None:
+                await snapshots.finish(self.config.shutdown_timeout)
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog

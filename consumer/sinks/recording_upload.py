@@ -53,7 +53,9 @@ REFUSAL_MEMORY_SEC = 600.0
 
 def wanted_recording(entry_json: bytes) -> str | None:
     """The recording id of an outbox entry that may need an upload (a recording written as
-    pending), else None.
+    pending), else None: a delete, and the sweep that ends a snapshot of recordings
+    (docs/wire-contract.md, Snapshots), are nothing to upload (a batch of nothing else is
+    delivered as it is).
 
     Read from the entry's text without decoding the payloads of other events: any row of any
     table passes through this consumer, and a number no double holds or a nesting thousands

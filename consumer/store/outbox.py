@@ -15,6 +15,7 @@ from consumer.core.events import Batch, DeadLetter, Position
 from consumer.observability.redact import safe_error
 from consumer.store.admin import UnknownConsumerError
 from consumer.store.dlq import park_parameters
+from consumer.store.new_consumers import Registration, StartFrom, register_consumer
 from consumer.store.queries import query
 from consumer.wire.entries import encode_entries
 
@@ -30,6 +31,9 @@ class ReadResult:
 
     batch: Batch | None
     held_back: bool
+    # The read returned as many rows as asked for: more may be ready. A batch's count does not
+    # say it when rows of a snapshot for another consumer were left out of it.
+    full: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,12 +93,20 @@ class OutboxStore:
             max_seq=max(seqs),
             write_entries=functools.partial(encode_entries, ours, local_node=local_node),
         )
-        return ReadResult(batch, held_back)
+        return ReadResult(batch, held_back, full=len(rows) == limit)
 
-    async def ensure_consumer(self, consumer: str) -> None:
-        """Register the consumer at the start of the outbox unless it exists."""
+    async def ensure_consumer(
+        self,
+        consumer: str,
+        *,
+        start: StartFrom = "earliest",
+        entity_types: frozenset[str] | None = None,
+    ) -> Registration:
+        """Register the consumer unless it exists, where `start` says (new_consumers.py: "auto"
+        also asks for a snapshot of its `entity_types`' tables when the outbox no longer holds
+        the whole history); what it did."""
         async with self._pool.connection() as conn:
-            await conn.execute(query("ensure_consumer"), {"consumer": consumer})
+            return await register_consumer(conn, consumer, start=start, entity_types=entity_types)
 
     async def take_leadership(self, consumer: str) -> Leadership:
         """Take a new epoch for this process (call while holding the leader lock).

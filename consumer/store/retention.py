@@ -12,6 +12,10 @@ with itself) and locks only old rows no producer touches, so producers never wai
 transactions matter for consumers too: a deleting transaction holds an xid, and while it is open
 every consumer's read horizon waits behind it (docs/design.md, the gap-safety proof).
 
+Deleting outbox rows ends the outbox's whole history: the first batch that deletes any records
+so (sync.outbox_history, in the batch's transaction), and a consumer registered after that starts
+with a snapshot of the tables it carries rather than with an outbox that lacks their old changes.
+
 Parked events do not pin outbox rows: sync.dlq_messages keeps its own copy of each entry.
 
 The idempotency keys of sync.enqueue go with the outbox rows of the same age: a key taken before
@@ -43,6 +47,7 @@ from consumer.store.registration import (
     leader_lock_prefix,
     remove_consumer,
 )
+from consumer.store.snapshots import mark_history_incomplete
 
 # Deregistering a consumer (registration.py) is the other half of `serversync cleanup`'s advice:
 # its callers (the command line, tests) find it here too.
@@ -353,8 +358,26 @@ async def delete_outbox_batch(
 
 async def _delete_outbox(conn: psycopg.AsyncConnection[Any], report: CleanupReport) -> None:
     after = Position.start()
+    marked = False
     while True:
-        deleted, last = await delete_outbox_batch(conn, report.cutoff, after, report.batch_size)
+        if marked:
+            deleted, last = await delete_outbox_batch(conn, report.cutoff, after, report.batch_size)
+        else:
+            # The first batch that deletes rows records in its own transaction that the outbox
+            # no longer holds the whole history: a consumer registered from then on starts with
+            # a snapshot, never with the outbox's start alone (snapshots.py).
+            async with conn.transaction():
+                deleted, last = await delete_outbox_batch(
+                    conn, report.cutoff, after, report.batch_size
+                )
+                if deleted:
+                    await mark_history_incomplete(
+                        conn,
+                        f"cleanup deleted outbox rows older than "
+                        f"{format_duration(report.older_than)} (created before "
+                        f"{report.cutoff.isoformat(timespec='seconds')})",
+                    )
+            marked = deleted > 0
         if not deleted:
             return
         report.outbox_batches += 1

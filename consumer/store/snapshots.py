@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
@@ -129,10 +130,13 @@ async def plan_tables(
     tables: Sequence[str] = (),
     *,
     entity_types: frozenset[str] | None = None,
+    uncounted_when_unreadable: bool = False,
 ) -> list[SnapshotTable]:
     """The tracked tables a snapshot would send, with their row counts now: `tables` as named
     (SnapshotError for a name that is no table, or no tracked one), else every tracked table
-    (of `entity_types` only, when given)."""
+    (of `entity_types` only, when given). With `uncounted_when_unreadable`, a table this role
+    may not read is planned with a count of 0 instead of failing (the count is for progress
+    only; whoever writes the snapshot needs the privilege). On an autocommit connection only."""
     async with conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(query("snapshot_tracked"))
         tracked = {row["relation_oid"]: row for row in await cur.fetchall()}
@@ -142,7 +146,7 @@ async def plan_tables(
                 try:
                     await cur.execute(query("snapshot_resolve"), {"name": name})
                     row = await cur.fetchone()
-                except psycopg.errors.InvalidName as exc:
+                except (psycopg.errors.InvalidName, psycopg.errors.SyntaxError) as exc:
                     raise SnapshotError(f"{name!r} is not a table name: {exc}") from exc
                 oid = row["relation_oid"] if row else None
                 if oid is None:
@@ -163,12 +167,17 @@ async def plan_tables(
             ]
         planned = []
         for position, row in enumerate(chosen, 1):
-            await cur.execute(
-                sql.SQL("SELECT count(*) AS n FROM {}").format(
-                    sql.Identifier(row["schema_name"], row["table_name"])
+            try:
+                await cur.execute(
+                    sql.SQL("SELECT count(*) AS n FROM {}").format(
+                        sql.Identifier(row["schema_name"], row["table_name"])
+                    )
                 )
-            )
-            counted = await cur.fetchone()
+                counted = await cur.fetchone()
+            except psycopg.errors.InsufficientPrivilege:
+                if not uncounted_when_unreadable:
+                    raise
+                counted = None
             planned.append(
                 SnapshotTable(
                     relation=row["relation"],
@@ -323,12 +332,33 @@ async def _writing(conn: psycopg.AsyncConnection[Any], snapshot_id: int) -> Asyn
 
 async def _pause(seconds: float, stop: asyncio.Event | None) -> bool:
     """Wait `seconds`, or less when `stop` is set; True if stopped."""
+    if seconds <= 0:
+        return stop is not None and stop.is_set()
     if stop is None:
         await asyncio.sleep(seconds)
         return False
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(stop.wait(), seconds)
     return stop.is_set()
+
+
+class _Pacing:
+    """How long to wait after a chunk so that the rows written since the start stay at or under
+    `max_rate` a second (None: no wait)."""
+
+    def __init__(self, max_rate: float | None) -> None:
+        if max_rate is not None and max_rate <= 0:
+            raise SnapshotError("the rate limit is a number of rows a second above 0")
+        self.max_rate = max_rate
+        self.started = time.monotonic()
+        self.rows = 0
+
+    def after(self, rows: int) -> float:
+        """The pause after a chunk of `rows` rows."""
+        self.rows += rows
+        if self.max_rate is None:
+            return 0.0
+        return max(0.0, self.started + self.rows / self.max_rate - time.monotonic())
 
 
 async def _begin(
@@ -370,6 +400,7 @@ async def run_snapshot(
     progress: Callable[[SnapshotState], None] | None = None,
     stop: asyncio.Event | None = None,
     lock_timeout: str = CHUNK_LOCK_TIMEOUT,
+    max_rate: float | None = None,
 ) -> SnapshotState:
     """Write snapshot `snapshot_id` from where it stands to its end, and return its state:
     done, or still running when `stop` was set first (run it again to resume), or cancelled.
@@ -377,7 +408,9 @@ async def run_snapshot(
     `conn` is an autocommit connection of its own: it holds the snapshot's lock while it writes
     (SnapshotBusyError when another process holds it). `progress` is called after each chunk.
     A chunk that meets a row lock held longer than `lock_timeout`, or a deadlock, is tried again
-    after a pause, for as long as that lasts."""
+    after a pause, for as long as that lasts. `max_rate` (rows a second) paces the chunks: a
+    snapshot's WAL (each row's lock and its outbox row) competes with producers' commits for the
+    disk, and an operator may trade the snapshot's speed for theirs."""
     if chunk_size < 1:
         raise SnapshotError("the chunk size is at least 1")
     shot = await snapshot_state(conn, snapshot_id)
@@ -393,6 +426,7 @@ async def run_snapshot(
                 return shot
             shot = begun
         tables = list(shot.tables)
+        pacing = _Pacing(max_rate)
         for index in range(len(tables)):
             delay = RETRY_INITIAL
             while not tables[index].done:
@@ -427,6 +461,8 @@ async def run_snapshot(
                 tables[index] = replace(table, rows_sent=table.rows_sent + int(row[0]), done=row[1])
                 if progress is not None:
                     progress(replace(shot, tables=tuple(tables)))
+                if await _pause(pacing.after(int(row[0])), stop):
+                    return replace(shot, tables=tuple(tables))
         # Not running any more: cancelled meanwhile.
         with contextlib.suppress(psycopg.errors.ObjectNotInPrerequisiteState):
             await conn.execute(query("snapshot_finish"), {"id": snapshot_id})

@@ -93,7 +93,7 @@ class WatchedStore(OutboxStore):
         """OutboxStore.read_batch, counted."""
         result = await super().read_batch(after, limit, local_node=local_node, consumer=consumer)
         self.reads += 1
-        self.full_reads += result.batch is not None and result.batch.count == limit
+        self.full_reads += result.full
         self.held_back_reads += result.held_back
         self.last = result
         return result

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import psycopg
+
 from consumer.app.cli.common import EXIT_CONFIG, EXIT_ERROR
 from consumer.app.cli.parser import build_parser
 from consumer.app.settings import ConfigError
 from consumer.app.startup import StartupError
+from consumer.core.errors import first_line
 from consumer.store import admin, migrations
 from consumer.store.dlq import DlqError
 
@@ -28,6 +31,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     except (StartupError, admin.AdminError, migrations.MigrationError, DlqError) as exc:
         print(f"serversync: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except psycopg.errors.InsufficientPrivilege as exc:
+        # The role of DATABASE_URL lacks a grant: which one is in PostgreSQL's message.
+        print(
+            f"serversync: {first_line(exc)} (the grants each command needs: "
+            "docs/security.md, Roles and grants)",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

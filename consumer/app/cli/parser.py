@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import argparse
 
-from consumer.app.cli import cleanup, consumers, demo, dlq, ingest, migrate, offsets, run, status
+from consumer.app.cli import (
+    cleanup,
+    consumers,
+    demo,
+    dlq,
+    ingest,
+    migrate,
+    offsets,
+    run,
+    snapshot,
+    status,
+)
 
 # In the order `serversync --help` lists them.
-COMMANDS = (migrate, run, ingest, demo, status, offsets, dlq, cleanup, consumers)
+COMMANDS = (migrate, run, ingest, demo, status, offsets, snapshot, dlq, cleanup, consumers)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""How the commands print: aligned tables, ages, times, JSON, and the consumer tables.
+"""How the commands print: aligned tables, ages, times, JSON, the consumer tables and snapshots.
 
 `status`, `offsets list` and `consumers list` show one query (admin.consumer_status) in one
 renderer: each names the columns it shows, from the same cells.
@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from consumer.observability.redact import printable
+from consumer.store.snapshots import SnapshotState, SnapshotTable
 
 NO_CONSUMERS = "no consumers registered yet (start one with `serversync run NAME`)"
 
@@ -163,3 +164,60 @@ def indented_json(text: str) -> str:
                 out.append(piece)
         previous = piece
     return "".join(out)
+
+
+# -- snapshots -----------------------------------------------------------------------------------
+
+
+def snapshot_progress(part: SnapshotTable) -> str:
+    """One table of a snapshot: its rows sent of those it held when the snapshot was asked for."""
+    total = max(part.rows_total, part.rows_sent)
+    percent = f" ({100 * part.rows_sent // total}%)" if total else ""
+    state = ", done" if part.done else ""
+    return (
+        f"{one_line(part.relation)} ({one_line(part.entity_type)}): {part.rows_sent} of {total} "
+        f"rows{percent}{state}"
+    )
+
+
+def snapshot_lines(shots: Sequence[SnapshotState]) -> list[str]:
+    """Each snapshot's describe() line, then, indented, the progress of the table it is at."""
+    lines = []
+    for shot in shots:
+        lines.append(one_line(shot.describe()))
+        current = shot.current
+        if shot.state == "running" and current is not None:
+            lines.append(f"  {snapshot_progress(current)}")
+    return lines
+
+
+def snapshot_to_dict(shot: SnapshotState) -> dict[str, Any]:
+    """The JSON shape of a snapshot (`status --json`)."""
+    current = shot.current
+    return {
+        "id": shot.id,
+        "consumer": shot.consumer,
+        "requested_by": shot.requested_by,
+        "delete_missing": shot.delete_missing,
+        "state": shot.state,
+        "begin_seq": shot.begin_seq,
+        "created_at": shot.created_at,
+        "updated_at": shot.updated_at,
+        "finished_at": shot.finished_at,
+        "rows_total": shot.rows_total,
+        "rows_sent": shot.rows_sent,
+        "current_table": current.relation if current is not None else None,
+        "tables": [
+            {
+                "relation": t.relation,
+                "entity_type": t.entity_type,
+                "key_column": t.key_column,
+                "both_ways": t.both_ways,
+                "rows_total": t.rows_total,
+                "rows_sent": t.rows_sent,
+                "done": t.done,
+            }
+            for t in shot.tables
+        ],
+        "describe": shot.describe(),
+    }

@@ -1,6 +1,8 @@
 """`serversync run CONSUMER`: one consumer process, built in or declared in SYNC_CONSUMERS_FILE,
 until SIGTERM or SIGINT (an unknown name, or a declaration that is wrong, exits 2 with one
-line)."""
+line). The first run of a consumer registers it where --from-now / --from-earliest (or
+SYNC_START) say; by default with a snapshot of its tables when the outbox no longer holds the
+whole history (consumer/store/new_consumers.py)."""
 
 from __future__ import annotations
 
@@ -26,12 +28,31 @@ def register(sub: Subparsers) -> None:
         default="default",
         help="'null' accepts every batch without sending it (benchmarks)",
     )
-    p.set_defaults(handler=run)
+    start = p.add_mutually_exclusive_group()
+    start.add_argument(
+        "--from-now",
+        dest="start_from",
+        action="store_const",
+        const="now",
+        help="first run only: start at the outbox's current end, with no snapshot",
+    )
+    start.add_argument(
+        "--from-earliest",
+        dest="start_from",
+        action="store_const",
+        const="earliest",
+        help="first run only: start at the outbox's start, with no snapshot (what is left of "
+        "the history after cleanup)",
+    )
+    p.set_defaults(handler=run, start_from=None)
 
 
 async def run(args: argparse.Namespace) -> int:
     """Run the consumer; its telemetry is flushed on the way out."""
     settings = backend_settings(args)
+    if args.start_from is not None:
+        # The option wins over SYNC_START.
+        settings = settings.model_copy(update={"start_from": args.start_from})
     telemetry = setup_telemetry(f"serversync-{args.consumer}")
     try:
         await run_consumer(settings, args.consumer, args.sink, telemetry=telemetry)

@@ -1,5 +1,5 @@
 """`serversync status`: per consumer its position, backlog, lag, leader and dead letters; why a
-failing one fails; and the open transactions that hold events back."""
+failing one fails; the open transactions that hold events back; and the snapshots not finished."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from consumer.app.cli.render import (
     age,
     consumer_table,
     one_line,
+    snapshot_lines,
+    snapshot_to_dict,
     table,
     to_json,
 )
-from consumer.store import admin
+from consumer.store import admin, snapshots
 
 # What an operator does about each kind of failing streak.
 FAILING_HINTS = {
@@ -92,17 +94,35 @@ async def run(args: argparse.Namespace) -> int:
 async def report(
     conn: psycopg.AsyncConnection[Any], *, consumer: str | None = None, as_json: bool = False
 ) -> str:
-    """The status of every consumer (or of `consumer`) and of the read horizon, as text."""
+    """The status of every consumer (or of `consumer`), of the read horizon and of the running
+    snapshots (with `consumer`, those it receives: its own and those for every consumer), as
+    text."""
     rows = await admin.consumer_status(conn, consumer)
     held = await admin.horizon(conn)
     if consumer and not rows:
         raise admin.UnknownConsumerError(f"no consumer named {consumer!r}")
+    running = [
+        shot
+        for shot in await snapshots.list_snapshots(conn, running_only=True)
+        if consumer is None or shot.consumer in (None, consumer)
+    ]
     if as_json:
-        return to_json({"consumers": rows, "horizon": held})
+        return to_json(
+            {
+                "consumers": rows,
+                "horizon": held,
+                "snapshots": [snapshot_to_dict(shot) for shot in running],
+            }
+        )
     lines = [consumer_table(rows, STATUS_COLUMNS)]
     lines += [_failing(r) for r in rows if r["failing_since"] is not None]
     if held.get("held_back_events"):
         lines.append(_held_back(held))
+    if running:
+        lines.append(
+            "\nsnapshots not finished (`serversync snapshot --list` shows the recent ones):\n"
+            + "\n".join(snapshot_lines(running))
+        )
     return "\n".join(lines)
 
 

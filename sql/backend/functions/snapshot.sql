@@ -33,6 +33,7 @@ DECLARE
     shot record;
     key_type text;
     key_expression text;
+    empty_key_refusal text;
     -- The keys of this chunk: (last_key, upper], read without locks in key order.
     bound_text text;
     row_count bigint;
@@ -69,11 +70,24 @@ BEGIN
             part.key_column USING ERRCODE = 'undefined_column';
     END IF;
     key_expression := sync.relay_key_expression(part.relation, part.key_column, 'r');
-    -- The chunk's upper key: the chunk_size-th key after the last one sent, in key order.
+    -- The relay's expression refuses an empty key naming the table by TG_RELID, which exists
+    -- in a trigger only: here the table is named by its oid. Only the refusal the expression
+    -- ends with is replaced (a quoted column name may hold any text).
+    empty_key_refusal := format('sync.refuse_empty_key(TG_RELID::regclass, %L::text))',
+                                part.key_column);
+    IF right(key_expression, length(empty_key_refusal)) = empty_key_refusal THEN
+        key_expression := left(key_expression, length(key_expression) - length(empty_key_refusal))
+            || format('sync.refuse_empty_key(%s::oid::regclass, %L::text))', part.relation::oid,
+                      part.key_column);
+    END IF;
+    -- The chunk's upper key: the chunk_size-th key after the last one sent, in key order (the
+    -- greatest by the key's own ordering: max() exists for few types, a uuid's not among them).
     bound_text := CASE WHEN part.last_key IS NULL
-        THEN format('SELECT max(k)::text, count(*) FROM (SELECT r.%1$I AS k FROM %2$s AS r'
-                    ' ORDER BY r.%1$I LIMIT $1) AS c', part.key_column, part.relation)
-        ELSE format('SELECT max(k)::text, count(*) FROM (SELECT r.%1$I AS k FROM %2$s AS r'
+        THEN format('SELECT (array_agg(c.k::text ORDER BY c.k DESC))[1], count(*)'
+                    ' FROM (SELECT r.%1$I AS k FROM %2$s AS r ORDER BY r.%1$I LIMIT $1) AS c',
+                    part.key_column, part.relation)
+        ELSE format('SELECT (array_agg(c.k::text ORDER BY c.k DESC))[1], count(*)'
+                    ' FROM (SELECT r.%1$I AS k FROM %2$s AS r'
                     ' WHERE r.%1$I > CAST($2 AS %3$s) ORDER BY r.%1$I LIMIT $1) AS c',
                     part.key_column, part.relation, key_type)
     END;

@@ -28,6 +28,13 @@
 -- * Every trigger carries (entity type, key column) as arguments, and 'both_ways' as a third
 --   for a table tracked both ways: sync.tracked_tables reads them.
 --
+-- A table that already holds rows when it is first tracked (or tracked as another entity type,
+-- or by another key): the relay sends changes only, so sync.track says, in a NOTICE, that those
+-- rows reach consumers only by a snapshot (`serversync snapshot TABLE`), and records in
+-- sync.outbox_history that the outbox no longer holds the whole history (so a consumer
+-- registered later starts with a snapshot). Tracking a table again as it is tracked, as the
+-- regeneration at the end of this file does, says and records nothing.
+--
 -- Both ways (sync.track(..., both_ways => true); 0002_both_directions.sql): a table edited here
 -- and on another node, whose changes travel both ways. Its relay versions every changed row in
 -- sync.row_versions, in one statement per trigger call (both_ways_insert below):
@@ -168,6 +175,9 @@ DECLARE
     changed_rows text;
     rekey_delete text;
     both_ways_argument text := '';
+    tracked_before boolean;
+    holds_rows boolean := false;
+    shell_name text;
 BEGIN
     both_ways := coalesce(both_ways, false);
     IF entity_type IS NULL OR entity_type !~ '^[A-Za-z_][A-Za-z0-9_.-]{0,127}$' THEN
@@ -236,6 +246,13 @@ BEGIN
         key_equals := 'OPERATOR(pg_catalog.=)';
         equals_schema := 'pg_catalog';
     END IF;
+    -- Tracked already, as this entity type by this key: its rows went out as changes since it
+    -- was first tracked, and tracking it again (as a migration regenerates every relay) leaves
+    -- the outbox's history whole.
+    tracked_before := EXISTS (SELECT 1 FROM sync.tracked_tables t
+                               WHERE t.table_name = target
+                                 AND t.entity_type = track.entity_type
+                                 AND t.key_column = track.key_column);
     PERFORM sync.drop_relay_triggers(target);
     -- The bodies go in as quoted literals (%L), not dollar-quoted: no name can end them. One
     -- function for upserts and one for deletes, each with no branch to take. Their SQL
@@ -411,6 +428,35 @@ BEGIN
         'WHEN (OLD.%I IS DISTINCT FROM NEW.%I) EXECUTE FUNCTION %s(%L, %L)',
         key_named, qualified, key_column, key_column, rekey, entity_type, key_column
     );
+    -- A table that holds rows when it is first tracked: the relay sends changes only, so those
+    -- rows reach a consumer only by a snapshot, and the outbox no longer holds the whole history
+    -- (a consumer registered from now on starts with a snapshot). Whether it holds any is one
+    -- row read, never a count.
+    IF NOT tracked_before THEN
+        EXECUTE format('SELECT EXISTS (SELECT 1 FROM %s LIMIT 1)', target) INTO holds_rows;
+    END IF;
+    IF holds_rows THEN
+        -- The table's name as a shell word for the hint: quoted when it is more than letters,
+        -- digits, '_' and '.'.
+        shell_name := target::text;
+        IF shell_name !~ '^[A-Za-z0-9_.]+$' THEN
+            shell_name := '''' || replace(shell_name, '''', '''\''''') || '''';
+        END IF;
+        IF NOT has_table_privilege('sync.outbox_history', 'SELECT, UPDATE') THEN
+            RAISE EXCEPTION 'sync.track: table % already holds rows, and % may not record that '
+                            'the outbox lacks their history (sync.outbox_history)',
+                            target, current_user
+                USING ERRCODE = 'insufficient_privilege',
+                      HINT = 'Run sync.track as the role that ran serversync migrate.';
+        END IF;
+        UPDATE sync.outbox_history h
+           SET complete = false, since = now(),
+               reason = format('table %s was tracked holding rows', target)
+         WHERE h.complete;
+        RAISE NOTICE 'sync.track: table % already holds rows: they reach consumers only by a '
+                     'snapshot', target
+            USING HINT = format('Run `serversync snapshot %s` to send them.', shell_name);
+    END IF;
     IF NOT as_relay THEN
         RETURN;
     END IF;
