@@ -25,6 +25,14 @@ async def test_the_demo_runs_end_to_end_and_checks_what_it_shows(pg_server: Serv
     # Backend -> frontend, as before: call logs, then recordings uploaded, playable, marked at
     # the backend, gone from its disk.
     assert "all 2 call logs arrived" in out, out
+    # A table filled before it was tracked reaches the frontend through a snapshot.
+    assert "NOTICE: sync.track: table campaigns already holds rows" in out, out
+    assert re.search(r"snapshot \d+ done for every consumer: \d+ row\(s\) from 1 table", out), out
+    assert re.search(
+        r"all \d+ rows of public.campaigns are at the frontend, equal row by row, with the \d+"
+        r" edits made during the snapshot",
+        out,
+    ), out
     assert "all 3 recordings uploaded, playable from their fileUrl" in out, out
     assert out.count("Range bytes=0-43 -> 206") == 3, out
     # Both databases' consumers caught up, settings-sync's on the frontend's database.

@@ -202,6 +202,23 @@ async def test_max_rate_paces_the_chunks_and_a_bad_rate_is_bad_input(backend_dsn
     assert took >= 0.59, took
 
 
+async def test_a_row_with_an_empty_key_stops_the_snapshot_with_one_line(backend_dsn: str) -> None:
+    """A row the relay would refuse (an empty key), there before the table was tracked: the
+    snapshot stops at its chunk, says which table and column, and writes nothing of it."""
+    await make_table(
+        backend_dsn,
+        "CREATE TABLE codes (code text PRIMARY KEY, v int)",
+        "INSERT INTO codes VALUES ('a', 1), ('', 2), ('b', 3)",
+        "SELECT sync.track('codes', 'code', 'code')",
+    )
+    result = await snapshot_cli(backend_dsn, "codes")
+    assert result.code == 1, result
+    assert "Traceback" not in result.stderr
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("serversync:")]
+    assert "empty or NULL key (column code)" in error and "codes" in error, error
+    assert await snapshot_outbox(backend_dsn, await only_snapshot(backend_dsn)) == []
+
+
 async def test_hostile_table_and_column_names_are_sent_as_any_other(backend_dsn: str) -> None:
     """Quotes, spaces, %, upper case, a unicode text key named "r", and a key named "k": names
     that would break a query built as text, and aliases the chunk's own SQL uses."""

@@ -70,10 +70,14 @@ async def snapshot_step(run: DemoRun, backend_env: dict[str, str], backend_dsn: 
     await run.backend.execute(CREATE)
     await run.backend.execute(FILL, (ROWS,))
     notices: list[str] = []
-    run.backend.add_notice_handler(lambda notice: notices.append(notice.message_primary or ""))
+    run.backend.add_notice_handler(
+        lambda notice: notices.extend(
+            line for line in (notice.message_primary, notice.message_hint) if line
+        )
+    )
     await run.backend.execute("SELECT sync.track(%s, %s)", (TABLE, ENTITY_TYPE))
     for notice in notices:
-        print(f"    sync.track: {notice}", flush=True)
+        print(f"    NOTICE: {notice}", flush=True)
     say(
         f"`serversync snapshot {TABLE} --chunk-size {CHUNK_SIZE}` while another connection keeps "
         "updating, deleting and inserting its rows"

@@ -23,6 +23,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from consumer.core.errors import first_line
 from consumer.store.admin import AdminError
 from consumer.store.queries import query
 
@@ -456,6 +457,10 @@ async def run_snapshot(
                     continue
                 except psycopg.errors.ObjectNotInPrerequisiteState:
                     return await snapshot_state(conn, snapshot_id)  # cancelled meanwhile
+                except psycopg.errors.CheckViolation as exc:
+                    # A row with an empty key, there before the table was tracked: the relay
+                    # refuses it too. The operator fixes the row and runs the snapshot again.
+                    raise SnapshotError(f"snapshot {snapshot_id}: {first_line(exc)}") from exc
                 delay = RETRY_INITIAL
                 assert row is not None
                 tables[index] = replace(table, rows_sent=table.rows_sent + int(row[0]), done=row[1])
