@@ -26,7 +26,10 @@ SELECT h.held_back, b.txid::text, b.target_consumer, b.seq, b.op, b.entity_type,
        b.payload::text, b.created_at, b.origin, b.snapshot_id
 FROM horizon h
 LEFT JOIN LATERAL (
-    SELECT o.txid, o.target_consumer, o.seq, o.op, o.entity_type, o.entity_id, o.payload,
+    SELECT o.txid, o.target_consumer, o.seq, o.op, o.entity_type, o.entity_id,
+           -- Not fetched for a row of a snapshot for another consumer: it is passed over.
+           CASE WHEN o.target_consumer IS NULL OR o.target_consumer = %(consumer)s
+                THEN o.payload END AS payload,
            o.created_at, o.origin, o.snapshot_id
     FROM sync.events_outbox o
     WHERE (o.txid, o.seq) > (%(txid)s::xid8, %(seq)s::bigint)
@@ -581,6 +584,11 @@ DELETE FROM sync.consumer_offsets
 WHERE consumer = %(consumer)s
 RETURNING last_txid::text AS last_txid, last_seq;
 
+-- name: retention_cancel_snapshots
+-- A removed consumer's unfinished snapshots: nobody is left to read them.
+UPDATE sync.snapshots SET state = 'cancelled', updated_at = now(), finished_at = now()
+WHERE consumer = %(consumer)s AND state = 'running';
+
 -- name: retention_forget_waiting
 -- A consumer stopped while idle leaves waiting = true behind, and the relay would NOTIFY in
 -- every producer transaction for a consumer that will never listen again.
@@ -594,7 +602,8 @@ DELETE FROM sync.dlq_messages WHERE consumer = %(consumer)s;
 -- name: snapshot_tracked
 -- The tracked tables, with what a snapshot needs of each; the parts of the name to count rows.
 SELECT t.table_name::oid AS relation_oid, t.table_name::text AS relation, t.entity_type,
-       t.key_column, t.both_ways, n.nspname AS schema_name, c.relname AS table_name
+       t.key_column, t.both_ways, n.nspname AS schema_name, c.relname AS table_name,
+       c.relkind::text AS relkind
 FROM sync.tracked_tables t
      JOIN pg_class c ON c.oid = t.table_name::oid
      JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -603,6 +612,10 @@ ORDER BY t.table_name::text;
 -- name: snapshot_resolve
 -- A table as an operator names it (quoted or not, schema-qualified or by the search_path).
 SELECT to_regclass(%(name)s)::oid AS relation_oid;
+
+-- name: snapshot_row_security
+-- Whether row level security applies to this role on the table (it would hide rows).
+SELECT row_security_active(%(relation_oid)s::oid) AS active;
 
 -- name: snapshot_create
 INSERT INTO sync.snapshots (consumer, requested_by, delete_missing)
@@ -634,10 +647,12 @@ ORDER BY t.snapshot_id, t.position;
 
 -- name: snapshot_try_lock
 -- Held by the session writing a snapshot: one writer per snapshot.
-SELECT pg_try_advisory_lock(hashtext('serversync.snapshot'), %(id)s::int) AS locked;
+SELECT pg_try_advisory_lock(hashtext('serversync.snapshot'), (%(id)s::bigint %% 2147483648)::int)
+       AS locked;
 
 -- name: snapshot_unlock
-SELECT pg_advisory_unlock(hashtext('serversync.snapshot'), %(id)s::int) AS unlocked;
+SELECT pg_advisory_unlock(hashtext('serversync.snapshot'), (%(id)s::bigint %% 2147483648)::int)
+       AS unlocked;
 
 -- name: snapshot_next_seq
 -- The seq a snapshot begins at: every row it writes comes after it.

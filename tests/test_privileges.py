@@ -970,6 +970,21 @@ async def test_the_documented_snapshot_grants_write_a_snapshot_and_without_them_
     assert "permission denied for table call_logs" in error
     assert await fetch_value(backend_dsn, "SELECT count(*) FROM sync.events_outbox") == 0
 
+    # Row level security that applies to the writer would hide rows from the snapshot.
+    await execute(backend_dsn, "ALTER TABLE public.call_logs ENABLE ROW LEVEL SECURITY")
+    hidden = await finish(
+        await start_cli(
+            "snapshot",
+            "public.call_logs",
+            env=cli_env(
+                DATABASE_URL=as_role(backend_dsn, writer), FRONTEND_BASE_URL="http://127.0.0.1:9"
+            ),
+        )
+    )
+    assert hidden.code == 2, hidden
+    assert "row level security" in hidden.stderr and "Traceback" not in hidden.stderr
+    await execute(backend_dsn, "ALTER TABLE public.call_logs DISABLE ROW LEVEL SECURITY")
+
     # A role that holds the grants resumes the snapshot the refused one asked for.
     await cli_as(backend_dsn, writer, "snapshot", "public.call_logs", frontend="http://127.0.0.1:9")
     sent = await fetch_all(

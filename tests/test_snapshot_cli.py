@@ -384,6 +384,109 @@ async def test_delete_missing_ends_with_a_sweep_marker_per_entity_type(backend_d
     assert min(r.seq for r in upserts) >= begin_seq
 
 
+async def test_delete_missing_refuses_to_leave_out_a_table_of_a_swept_entity_type(
+    backend_dsn: str,
+) -> None:
+    """Two tables tracked as one entity type: a sweep after a snapshot of one would delete the
+    other's entities at receivers, so such a snapshot is refused, and one of both is sent."""
+    await make_table(
+        backend_dsn,
+        ITEMS,
+        "INSERT INTO items VALUES (1, 'one')",
+        "SELECT sync.track('items', 'item')",
+    )
+    await make_table(
+        backend_dsn,
+        "CREATE TABLE old_items (id int PRIMARY KEY, name text)",
+        "INSERT INTO old_items VALUES (2, 'two')",
+        "SELECT sync.track('old_items', 'item')",
+    )
+    refused = await snapshot_cli(backend_dsn, "items", "--delete-missing")
+    assert_one_line_error(refused, 2, "old_items", "'item'", "--delete-missing")
+    assert await snapshot_ids(backend_dsn) == []
+    # Without the sweep, one table alone is fine; with both named, the sweep is too.
+    assert_ok(await snapshot_cli(backend_dsn, "items"))
+    assert_ok(await snapshot_cli(backend_dsn, "items", "old_items", "--delete-missing"))
+
+
+async def test_a_null_key_stops_the_snapshot_before_it_sends_anything(backend_dsn: str) -> None:
+    """A nullable key column holding a NULL (rows from before the table was tracked): refused
+    with one line, as the relay refuses such a row, instead of a chunk that matches nothing."""
+    await make_table(
+        backend_dsn,
+        "CREATE TABLE badges (id int PRIMARY KEY, code text UNIQUE)",
+        "INSERT INTO badges VALUES (1, 'a'), (2, NULL), (3, 'c')",
+        "SELECT sync.track('badges', 'badge', 'code')",
+    )
+    result = await snapshot_cli(backend_dsn, "badges")
+    assert result.code == 1, result
+    assert "Traceback" not in result.stderr
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("serversync:")]
+    assert "empty or NULL key (column code)" in error and "badges" in error, error
+    assert await snapshot_outbox(backend_dsn, await only_snapshot(backend_dsn)) == []
+
+
+async def test_an_inherited_tables_children_are_not_its_rows(backend_dsn: str) -> None:
+    """A child of an inherited table is a table of its own, which the parent's relay does not
+    send: neither does the parent's snapshot."""
+    await make_table(
+        backend_dsn,
+        "CREATE TABLE animals (id int PRIMARY KEY, name text);"
+        "CREATE TABLE cats (lives int) INHERITS (animals)",
+        "INSERT INTO animals VALUES (1, 'dog'); INSERT INTO cats VALUES (2, 'cat', 9)",
+        "SELECT sync.track('animals', 'animal')",
+    )
+    dry = await snapshot_cli(backend_dsn, "animals", "--dry-run")
+    assert_ok(dry)
+    assert "total: 1 row(s)" in dry.stdout, dry.stdout
+    assert_ok(await snapshot_cli(backend_dsn, "animals"))
+    written = await snapshot_outbox(backend_dsn, await only_snapshot(backend_dsn))
+    assert [(r.entity_id, r.payload) for r in written] == [("1", {"id": 1, "name": "dog"})]
+
+
+async def test_a_table_dropped_under_a_snapshot_stops_it_with_what_to_do(
+    backend_dsn: str,
+) -> None:
+    await make_table(
+        backend_dsn,
+        ITEMS,
+        "INSERT INTO items SELECT g, 'n' || g FROM generate_series(1, 5) g",
+        "SELECT sync.track('items', 'item')",
+    )
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        planned = await snapshots.plan_tables(conn, ["items"])
+        snapshot_id = await snapshots.create_snapshot(conn, planned)
+        await conn.execute("DROP TABLE items")
+        with pytest.raises(psycopg.errors.UndefinedTable, match="no longer exists") as raised:
+            await snapshots.run_snapshot(conn, snapshot_id)
+    assert f"serversync snapshot --cancel {snapshot_id}" in str(raised.value)
+    cancelled = await snapshot_cli(backend_dsn, "--cancel", str(snapshot_id))
+    assert_ok(cancelled)
+    assert (await snapshot_state(backend_dsn, snapshot_id))["state"] == "cancelled"
+
+
+async def test_removing_a_consumer_cancels_its_unfinished_snapshots(backend_dsn: str) -> None:
+    await make_table(
+        backend_dsn,
+        ITEMS,
+        "INSERT INTO items VALUES (1, 'one')",
+        REGISTER_AUDIT,
+    )
+    await execute(backend_dsn, "SELECT sync.track('items', 'item')")
+    conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
+    async with conn:
+        planned = await snapshots.plan_tables(conn, ["items"])
+        ours = await snapshots.create_snapshot(conn, planned, consumer="audit")
+        everyone = await snapshots.create_snapshot(conn, planned)
+    result = await run_cli(
+        "consumers", "remove", "audit", "--yes", env=cli_env(DATABASE_URL=backend_dsn)
+    )
+    assert_ok(result)
+    assert (await snapshot_state(backend_dsn, ours))["state"] == "cancelled"
+    assert (await snapshot_state(backend_dsn, everyone))["state"] == "running"
+
+
 # -- stopped and resumed -------------------------------------------------------------------------
 
 

@@ -313,7 +313,8 @@ class DlqStore:
             claimed.payload,
             claimed.event_created_at,
             claimed.origin,
-            # A dead letter keeps no snapshot id: retried, it goes as a change of the entity.
+            # A dead letter keeps no snapshot id: retried, it goes without the "snapshot" member
+            # (its op, a sweep's included, as it was).
             None,
         )
         batch = Batch(

@@ -75,7 +75,7 @@ class OutboxStore:
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 query("read_batch"),
-                {"txid": str(after.txid), "seq": after.seq, "limit": limit},
+                {"txid": str(after.txid), "seq": after.seq, "limit": limit, "consumer": consumer},
                 prepare=True,
                 binary=True,
             )

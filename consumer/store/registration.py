@@ -113,6 +113,7 @@ async def remove_consumer(
                     f"no consumer named {consumer!r} (known: {await _known(conn)})"
                 )
             await conn.execute(query("retention_forget_waiting"), {"consumer": consumer})
+            await conn.execute(query("retention_cancel_snapshots"), {"consumer": consumer})
             deleted = kept = 0
             if purge_dlq:
                 cur = await conn.execute(query("retention_purge_dlq"), {"consumer": consumer})

@@ -39,6 +39,7 @@ __all__ = [
     "mark_history_incomplete",
     "outbox_history_complete",
     "plan_tables",
+    "refuse_partial_sweep",
     "run_snapshot",
     "snapshot_state",
     "unfinished",
@@ -166,12 +167,17 @@ async def plan_tables(
                 for row in tracked.values()
                 if entity_types is None or row["entity_type"] in entity_types
             ]
+        for row in chosen:
+            await _refuse_hidden_rows(cur, row)
         planned = []
         for position, row in enumerate(chosen, 1):
             try:
+                # ONLY: an inherited table's children are not its rows (a partitioned table's
+                # partitions are).
                 await cur.execute(
-                    sql.SQL("SELECT count(*) AS n FROM {}").format(
-                        sql.Identifier(row["schema_name"], row["table_name"])
+                    sql.SQL("SELECT count(*) AS n FROM {}{}").format(
+                        sql.SQL("" if row["relkind"] == "p" else "ONLY "),
+                        sql.Identifier(row["schema_name"], row["table_name"]),
                     )
                 )
                 counted = await cur.fetchone()
@@ -193,6 +199,20 @@ async def plan_tables(
     return planned
 
 
+async def _refuse_hidden_rows(cur: psycopg.AsyncCursor[Any], row: dict[str, Any]) -> None:
+    """Row level security that applies to this role would hide rows from the snapshot (and a
+    sweep would then delete them at receivers): SnapshotError, to be run by a role it does not
+    apply to (the table's owner, a superuser, one with BYPASSRLS)."""
+    await cur.execute(query("snapshot_row_security"), {"relation_oid": row["relation_oid"]})
+    found = await cur.fetchone()
+    if found and found["active"]:
+        raise SnapshotError(
+            f"table {row['relation']} has row level security that applies to this role: a "
+            "snapshot would leave out the rows it hides; run it as the table's owner or a role "
+            "with BYPASSRLS"
+        )
+
+
 async def create_snapshot(
     conn: psycopg.AsyncConnection[Any],
     tables: Sequence[SnapshotTable],
@@ -205,6 +225,8 @@ async def create_snapshot(
     consumer; returns its id. Nothing is written into the outbox until `run_snapshot`."""
     if not tables:
         raise SnapshotError("no tracked table to send (track one with sync.track)")
+    if delete_missing:
+        await refuse_partial_sweep(conn, tables)
     async with conn.transaction():
         cur = await conn.execute(
             query("snapshot_create"),
@@ -227,6 +249,24 @@ async def create_snapshot(
                 },
             )
     return snapshot_id
+
+
+async def refuse_partial_sweep(
+    conn: psycopg.AsyncConnection[Any], tables: Sequence[SnapshotTable]
+) -> None:
+    """A sweep deletes, at a receiver, every entity of its type the snapshot did not send: one
+    of a tracked table left out of the snapshot would be deleted too. SnapshotError naming it."""
+    planned = {t.relation for t in tables}
+    types = {t.entity_type for t in tables}
+    cur = await conn.execute(query("snapshot_tracked"))
+    for row in await cur.fetchall():
+        relation, entity_type = row[1], row[2]
+        if entity_type in types and relation not in planned:
+            raise SnapshotError(
+                f"table {relation} is tracked as entity type {entity_type!r} too: with "
+                "--delete-missing, a snapshot of that type sends every table of it (name it "
+                "as well, or name no table)"
+            )
 
 
 async def list_snapshots(

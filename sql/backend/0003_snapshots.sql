@@ -67,6 +67,13 @@ CREATE TABLE IF NOT EXISTS sync.outbox_history (
     reason   text,
     since    timestamptz
 );
+-- A database that tracked tables before it had this table may have tracked them full, or
+-- deleted old outbox rows: its history is taken as incomplete, so that a consumer registered
+-- from now on starts with a snapshot (the safe side).
+INSERT INTO sync.outbox_history (one_row, complete, reason, since)
+SELECT true, false, 'tables were tracked before snapshots existed', now()
+ WHERE EXISTS (SELECT FROM pg_trigger t WHERE t.tgname = 'sync_relay' AND NOT t.tgisinternal)
+ON CONFLICT DO NOTHING;
 INSERT INTO sync.outbox_history (one_row) VALUES (true) ON CONFLICT DO NOTHING;
 
 -- == Dead letters: a sweep marker may be parked too =================================================

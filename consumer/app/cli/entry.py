@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_ERROR
+    except psycopg.Error as exc:
+        # What the database refused (a table dropped under a snapshot, say): its message is
+        # the line an operator needs; a traceback would bury it.
+        print(f"serversync: {first_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
     return exit_code

@@ -138,6 +138,8 @@ async def run(args: argparse.Namespace) -> int:
         try:
             consumer, carried = await _consumer_scope(conn, settings, args.consumer)
             planned = await snapshots.plan_tables(conn, args.tables, entity_types=carried)
+            if args.delete_missing:
+                await snapshots.refuse_partial_sweep(conn, planned)
         except SnapshotError as exc:
             return _bad_input(str(exc))
         refusal = _scope_refusal(consumer, carried, planned, named=bool(args.tables))

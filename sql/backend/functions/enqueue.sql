@@ -67,7 +67,11 @@ BEGIN
         END IF;
     END IF;
     -- The seq is taken first: RETURNING would need SELECT on the outbox, which the relay's
-    -- role does not have.
+    -- role does not have. The transaction's id before it: every outbox row's seq is taken
+    -- after its transaction has an id, as the relay's are (a snapshot that begins at a seq
+    -- waits for every transaction with an id that could still write below it; docs/design.md,
+    -- Snapshots).
+    PERFORM pg_current_xact_id();
     written := nextval('sync.events_outbox_seq_seq');
     INSERT INTO sync.events_outbox (seq, op, entity_type, entity_id, payload)
     VALUES (written, op, entity_type, entity_id, payload);
