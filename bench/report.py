@@ -116,26 +116,9 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "measured": ratio,
             "met": ratio >= 0.2,
         }
-        # Producers of the same table keep most of their rate while a snapshot runs: its chunks
-        # hold their rows' locks for milliseconds, and it shares the server's CPU and WAL. An
-        # unpaced snapshot takes what the disk gives (its WAL competes with the producers'
-        # commits); one paced with --max-rate leaves them nearly undisturbed.
-        producers = snapshot["producers"]
-        during = producers["tps_during_to_alone"]
-        checks["snapshot_producer_tps_ratio"] = {
-            "target": ">= 0.5 of producers' tps alone (unpaced snapshot)",
-            "measured": during,
-            "met": during >= 0.5,
-        }
-        if "tps_during_paced_to_alone" in producers:
-            paced = producers["tps_during_paced_to_alone"]
-            checks["snapshot_paced_producer_tps_ratio"] = {
-                "target": (
-                    f">= 0.8 of producers' tps alone (--max-rate {producers['paced_rate']:.0f})"
-                ),
-                "measured": paced,
-                "met": paced >= 0.8,
-            }
+        # What a snapshot costs producers of the same table is reported beside it, with no
+        # target: on a durable server it is the disk's (both write WAL), and `--max-rate` is the
+        # operator's lever (docs/performance.md, Snapshots).
     return checks
 
 
@@ -280,13 +263,14 @@ def _snapshot_producers_panel(ax: Any, p: dict[str, Any]) -> None:
         if key in p
     ]
     _hbars(ax, [label for label, _ in shown], [value for _, value in shown], "#a72", "%.0f")
-    ax.axvline(0.5 * p["alone"]["tps"], color="red", linestyle="--", linewidth=1)
-    ax.axvline(0.8 * p["alone"]["tps"], color="red", linestyle=":", linewidth=1)
-    ax.set_xlabel(
-        "tps, single-row UPDATEs of the table (targets: dashed 0.5 unpaced, dotted 0.8 paced)"
-    )
+    ax.set_xlabel("tps, single-row UPDATEs of the table")
     ax.set_title(
-        f"producers, {p['clients']} connections (during / alone {p['tps_during_to_alone']})"
+        f"producers, {p['clients']} connections (during / alone {p['tps_during_to_alone']}"
+        + (
+            f", paced {p['tps_during_paced_to_alone']})"
+            if "tps_during_paced_to_alone" in p
+            else ")"
+        )
     )
 
 

@@ -427,12 +427,8 @@ def test_bench_snapshot_reports_the_snapshot_beside_copy_and_producers(tmp_path:
     ratio = snapshot["reads"]["ratios"]["snapshot_to_copy"]
     assert targets["snapshot_vs_copy_rows_per_sec"]["measured"] == ratio
     assert targets["snapshot_vs_copy_rows_per_sec"]["met"] is (ratio >= 0.2)
-    during = snapshot["producers"]["tps_during_to_alone"]
-    assert targets["snapshot_producer_tps_ratio"]["measured"] == during
-    assert targets["snapshot_producer_tps_ratio"]["met"] is (during >= 0.5)
-    paced = snapshot["producers"]["tps_during_paced_to_alone"]
-    assert targets["snapshot_paced_producer_tps_ratio"]["measured"] == paced
-    assert targets["snapshot_paced_producer_tps_ratio"]["met"] is (paced >= 0.8)
+    # The producers' figures are reported, with no target.
+    assert not [name for name in targets if "producer" in name and name.startswith("snapshot")]
 
     # The summary a reader sees says the same.
     out = result.stdout
@@ -440,7 +436,9 @@ def test_bench_snapshot_reports_the_snapshot_beside_copy_and_producers(tmp_path:
     for key, label in SNAPSHOT_LABELS.items():
         rate = snapshot["reads"][key]["rows_per_sec"]
         assert re.search(rf"^  {re.escape(label)} +{rate:,.0f} rows/s", out, re.MULTILINE), key
-    assert f"tps during / alone: {during}" in out
+    producers = snapshot["producers"]
+    assert f"tps during / alone: {producers['tps_during_to_alone']}" in out
+    assert f"/ alone: {producers['tps_during_paced_to_alone']}" in out
     for name, check in targets.items():
         mark = "ok  " if check["met"] else "MISS"
         assert f"[{mark}] {name}: {check['measured']}" in out, name
