@@ -13,9 +13,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import orjson
+import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from consumer.core.events import Batch, Outcome
 from tests.conftest import (
     fetch_all,
     make_settings,
@@ -24,6 +26,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.support.backend import committed_position, insert_calls
+from tests.support.runtime import running_runtime, store_of
 from tests.support.waiting import wait_caught_up
 
 BATCH = 100
@@ -188,3 +191,57 @@ async def test_one_in_flight_is_one_batch_at_a_time(backend_dsn: str, receiver_d
 
 async def _pass(index: int) -> web.Response | None:
     return None
+
+
+class _HeldSink:
+    """Holds its first delivery until released; delivers every other at once."""
+
+    name = "held"
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.deliveries = 0
+
+    async def start(self) -> None:
+        """Nothing to start."""
+
+    async def deliver(self, batch: Batch) -> Outcome:
+        """Hold the first batch, then accept."""
+        self.deliveries += 1
+        if self.deliveries == 1:
+            await self.release.wait()
+        return Outcome.DELIVERED
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["read-ahead", "no-read-ahead"])
+async def test_read_ahead_reads_the_next_batch_while_a_full_one_is_delivered(
+    backend_dsn: str, read_ahead: bool
+) -> None:
+    """SYNC_READ_AHEAD: after a full read, the next batch is read while that one is delivered
+    (one in flight, so it is not sent yet); without it, nothing is read until the delivery
+    ends."""
+    await insert_calls(backend_dsn, 3 * 7, tag="ahead")
+    sink = _HeldSink()
+    async with running_runtime(
+        backend_dsn, sink, SYNC_MAX_IN_FLIGHT=1, SYNC_READ_AHEAD=str(read_ahead).lower()
+    ) as runtime:
+        store = store_of(runtime)
+        await wait_until(lambda: sink.deliveries == 1, what="the first batch held")
+        if read_ahead:
+            await wait_until(lambda: store.reads >= 2, what="the next batch read ahead")
+        else:
+            assert await stays(_constant(lambda: store.reads == 1), 0.3), store.reads
+        assert sink.deliveries == 1  # one in flight: read, not sent
+        sink.release.set()
+        await wait_caught_up(backend_dsn)
+    assert runtime.stats.delivered_events == 3 * 7
+
+
+def _constant(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    async def checked() -> bool:
+        return check()
+
+    return checked

@@ -169,6 +169,8 @@ class SyncSettings(_Base):
     upload_concurrency: int = Field(4, ge=1, le=64, validation_alias="SYNC_UPLOAD_CONCURRENCY")
     # frontend-sync: batches delivered at once while a backlog drains (offsets move in order).
     max_in_flight: int = Field(2, ge=1, le=16, validation_alias="SYNC_MAX_IN_FLIGHT")
+    # Read the next batch while the last full one is being delivered.
+    read_ahead: bool = Field(True, validation_alias="SYNC_READ_AHEAD")
     # Consumers an operator declares (consumer/app/declared.py): `serversync run NAME` finds NAME
     # there when it is no built-in one. Read when a consumer is resolved, checked whole.
     consumers_file: Path | None = Field(None, validation_alias="SYNC_CONSUMERS_FILE")
@@ -309,6 +311,7 @@ def runtime_config(settings: SyncSettings) -> RuntimeConfig:
         max_attempts=settings.max_attempts,
         dlq_max_retries=settings.dlq_max_retries,
         max_in_flight=settings.max_in_flight,
+        read_ahead=settings.read_ahead,
         batch_wait=settings.batch_wait_ms / 1000,
         batch_wait_min_rate=settings.batch_wait_min_rate,
     )

@@ -35,6 +35,8 @@ class RuntimeConfig:
     dlq_max_retries: int
     # Batches being delivered at once while a backlog drains; offsets still move in order.
     max_in_flight: int
+    # After a full read, read the next batch while this one is delivered.
+    read_ahead: bool
     # While events arrive at batch_wait_min_rate per second or faster, wait batch_wait after a
     # short batch before reading again (consumer/runtime/pacing.py); 0 never waits.
     batch_wait: float

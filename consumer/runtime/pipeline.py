@@ -106,7 +106,7 @@ class Pipeline:
                 in_flight.append(self._start_delivery(batch))
                 await self.waiting.found_events()
                 position = batch.end
-                if result.full:
+                if result.full and self.config.read_ahead:
                     prefetch = asyncio.create_task(self._read(position, limit))
                     while len(in_flight) >= window:
                         if not await self._finish(in_flight.popleft()):
