@@ -26,6 +26,16 @@ def _receivers(value: str) -> tuple[str, ...]:
         ) from None
 
 
+def _rates(value: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of rates: {value!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be positive: {value!r}")
+    return rates
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +50,19 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--batch-size", type=int, default=1000)
         p.add_argument("--rate", type=float, default=1000.0, help="latency: events/s")
+        p.add_argument(
+            "--rates",
+            type=_rates,
+            default=latency.COMPARISON_RATES,
+            help="latency: the rates serversync and the naive relay are compared at, events/s of"
+            " each path (default 100,200,500,1000)",
+        )
+        p.add_argument(
+            "--connections",
+            type=int,
+            default=latency.COMPARISON_CONNECTIONS,
+            help="latency: producer connections of each path in the comparison (default 8)",
+        )
         p.add_argument(
             "--seconds",
             type=float,
@@ -111,6 +134,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "events": events,
             "batch_size": args.batch_size,
             "rate": args.rate,
+            "rates": list(args.rates),
+            "connections": args.connections,
             "seconds": seconds,
             "poll_interval": args.poll_interval,
             "quick": quick,
@@ -178,6 +203,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 )
             result["latency"] = runs
+            result["latency_vs_naive"] = await latency.run_comparison(
+                env,
+                rates=args.rates,
+                seconds=seconds,
+                connections=args.connections,
+                poll_interval=args.poll_interval,
+            )
         if args.command in ("producer", "all"):
             result["producer"] = await producer.run_producer(
                 env,
@@ -239,6 +271,18 @@ def _summary(result: dict[str, Any]) -> str:
                 f" (+{i['minimal_trigger_added'][kind]}); relay / minimal trigger"
                 f" {i['relay_to_minimal_trigger'][kind]}"
             )
+        queue = i.get("pgq") or {}
+        if queue.get("measured"):
+            lines.append(
+                "  PgQ's C trigger: "
+                + ", ".join(
+                    f"{kind} {queue['thousand_instructions_per_statement'][kind]}"
+                    f" (+{queue['added'][kind]}; relay / PgQ {queue['relay_to_pgq_trigger'][kind]})"
+                    for kind in producer.KINDS
+                )
+            )
+        elif queue:
+            lines.append(f"  PgQ not counted: {queue['note']}")
     if "drain" in result:
         d = result["drain"]
         lines.append(f"drain of {d['events']:,} events, batch {d['batch_size']}:")
@@ -273,6 +317,8 @@ def _summary(result: dict[str, Any]) -> str:
             f"latency {run['mode']:9} at {run['achieved_rate']:,.0f}/s: p50 {run['p50_ms']} ms, "
             f"p95 {run['p95_ms']} ms, p99 {run['p99_ms']} ms, max {run['max_ms']} ms"
         )
+    if "latency_vs_naive" in result:
+        lines.extend(_comparison_summary(result["latency_vs_naive"]))
     if "producer" in result:
         p = result["producer"]
         lines.append(f"producer cost at {p['clients']} connections (tps, ratio to untracked):")
@@ -291,6 +337,15 @@ def _summary(result: dict[str, Any]) -> str:
             lines.append(
                 f"  {p['bulk_rows_per_statement']}-row statements, tracked (no NOTIFY) against the"
                 f" minimal row trigger: {p['bulk_tracked_to_minimal_trigger']:.3f}"
+            )
+        pgq_info = p.get("pgq")
+        if pgq_info is not None and not pgq_info["measured"]:
+            lines.append(f"  PgQ not measured: {pgq_info['note']}")
+        if p.get("relay_to_pgq"):
+            lines.append(
+                "  relay / PgQ's C trigger (tps, relay with no consumer against PgQ with none,"
+                " with serversync's consumer against PgQ's): "
+                + ", ".join(f"{name} {ratio:.3f}" for name, ratio in p["relay_to_pgq"].items())
             )
         cost = p["relay_cost"]
         for timings, said in (
@@ -315,6 +370,36 @@ def _summary(result: dict[str, Any]) -> str:
         mark = "ok  " if check["met"] else "MISS"
         lines.append(f"[{mark}] {key}: {check['measured']} (target {check['target']})")
     return "\n".join(lines)
+
+
+def _comparison_summary(v: dict[str, Any]) -> list[str]:
+    """serversync and the naive relay at each rate: commit -> applied, what each lost, and
+    what producing and delivering cost."""
+    lines = [
+        f"latency against the naive relay (both at once, {v['connections_per_path']} producer"
+        f" connections each, {v['seconds']}s per rate; commit -> applied in ms):"
+    ]
+    if v["consumer_env"]:
+        lines.append(
+            "  consumer settings: " + ", ".join(f"{k}={x}" for k, x in v["consumer_env"].items())
+        )
+    for rate in v["rates"]:
+        run = v["runs"][latency.rate_key(rate)]
+        for path in latency.PATHS:
+            f = run[path]
+            lines.append(
+                f"  {rate:>6,.0f}/s {path:10} p50 {f['p50_ms']}, p95 {f['p95_ms']}, p99"
+                f" {f['p99_ms']}, max {f['max_ms']}; achieved {f['achieved_rate']:,.1f}/s,"
+                f" lost {f['lost']} of {f['events']:,}"
+            )
+            cost = f"commit p50 {f['commit_p50_ms']} ms, p99 {f['commit_p99_ms']} ms"
+            if f["producer_backend_cpu_us_per_event"] is not None:
+                cost += (
+                    f"; CPU us/event: producers' backends {f['producer_backend_cpu_us_per_event']},"
+                    f" delivery {f['delivery_cpu_us_per_event']}"
+                )
+            lines.append(f"  {'':19} {cost}")
+    return lines
 
 
 def _receivers_summary(r: dict[str, Any]) -> list[str]:

@@ -10,7 +10,9 @@ which leaves out the backend's start and end.
 
 The tables are the producer bench's (bench/producer.py): untracked, tracked by the relay (the
 wake-up check on, no consumer waiting) and under the minimal trigger; what the relay and the
-minimal trigger add is their count less the untracked one. Instructions are not time: under
+minimal trigger add is their count less the untracked one. Where the server has PgQ, its C row
+trigger (`pgq.logutriga`, bench/pgq.py) is counted the same way, apart (`pgq`), with the relay's
+count over its own. Instructions are not time: under
 load, on two shared cores, each of them costs more than in this single backend alone.
 """
 
@@ -99,17 +101,18 @@ def _count(cluster: PrivateCluster, valgrind: str, name: str, script: str) -> in
         statements.unlink(missing_ok=True)
 
 
-async def _template() -> PrivateCluster:
-    """A stopped private cluster with the backend migrated and the producer bench's tables."""
+async def _template() -> tuple[PrivateCluster, str | None]:
+    """A stopped private cluster with the backend migrated and the producer bench's tables; and
+    why PgQ's table is not among them (None when it is)."""
     cluster = start_private_cluster()
     try:
         backend = await fresh_database(cluster.dsn, BACKEND_DB, ["backend"])
-        await producer.prepare_tables(backend)
+        pgq_missing = await producer.prepare_tables(backend)
         cluster.stop("fast")
     except BaseException:
         cluster.destroy()
         raise
-    return cluster
+    return cluster, pgq_missing
 
 
 def run_instructions(*, quick: bool = False) -> dict[str, Any]:
@@ -119,12 +122,15 @@ def run_instructions(*, quick: bool = False) -> dict[str, Any]:
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise NoValgrindError("valgrind is not installed (Debian: apt-get install valgrind)")
-    cluster = asyncio.run(_template())
+    cluster, pgq_missing = asyncio.run(_template())
+    tables = dict(producer.RELAY_COST_TABLES)
+    if pgq_missing is None:
+        tables["pgq"] = producer.PGQ_TABLE
     try:
         jobs = {
             (kind, which, count): _statements(kind, table, count)
             for kind in producer.KINDS
-            for which, table in producer.RELAY_COST_TABLES.items()
+            for which, table in tables.items()
             for count in (short, long)
         }
         progress(f"instructions: {len(jobs)} single-user runs under callgrind")
@@ -146,8 +152,9 @@ def run_instructions(*, quick: bool = False) -> dict[str, Any]:
             (totals[kind, which, long] - totals[kind, which, short]) / (long - short) / 1000, 1
         )
         for kind in producer.KINDS
-        for which in producer.RELAY_COST_TABLES
+        for which in tables
     }
+    pgq_counts = {kind: per_statement.pop(f"{kind}_pgq", None) for kind in producer.KINDS}
 
     def added(which: str) -> dict[str, float]:
         return {
@@ -156,7 +163,21 @@ def run_instructions(*, quick: bool = False) -> dict[str, Any]:
         }
 
     relay, minimal = added("tracked"), added("minimal")
+    pgq: dict[str, Any] = {"measured": pgq_missing is None, "note": pgq_missing}
+    if pgq_missing is None:
+        pgq_added = {
+            kind: round(float(count or 0) - per_statement[f"{kind}_untracked"], 1)
+            for kind, count in pgq_counts.items()
+        }
+        pgq |= {
+            "thousand_instructions_per_statement": pgq_counts,
+            "added": pgq_added,
+            "relay_to_pgq_trigger": {
+                kind: round(relay[kind] / pgq_added[kind], 2) for kind in producer.KINDS
+            },
+        }
     return {
+        "pgq": pgq,
         "statements": long - short,
         "thousand_instructions_per_statement": per_statement,
         "relay_added": relay,

@@ -9,6 +9,15 @@ least an outbox row trigger can be (its row's JSON into a table with a serial ke
 repeat the untracked, tracked and minimal-trigger runs with transactions of one 100-row
 statement, where the relay's once-per-statement trigger and a row trigger part ways.
 
+PgQ, the in-database queue of Skytools' replication, is measured in the same interleaved runs
+where the server has its extension (Debian: postgresql-15-pgq3): its C row trigger
+`pgq.logutriga` on the same table shape, with its ticker running (bench/pgq.py) and no consumer,
+and with a consumer of its batches as well, in single-row and 100-row transactions.
+`relay_to_pgq` is the relay's tps over PgQ's in each of those four settings, the relay with no
+consumer (`tracked_no_notify`) and with serversync's consumer at its defaults
+(`tracked_wakeups_on`). On a server without the extension the PgQ modes are left out and the
+result says why (`pgq.note`).
+
 The bench's private cluster runs with fsync and synchronous_commit off, so every transaction is
 pure CPU and the trigger's share of it is as large as it can be. On a private cluster the
 untracked and the wake-ups-on runs are repeated with PostgreSQL's durable defaults (fsync,
@@ -36,6 +45,7 @@ from typing import Any
 
 from psycopg import conninfo, sql
 
+from bench import pgq
 from bench.harness import (
     BenchEnv,
     Service,
@@ -97,10 +107,18 @@ MINIMAL_TRIGGER = [
 ]
 
 
-async def prepare_tables(backend: str) -> None:
+PGQ_TABLE = "bench_pgq"
+
+
+async def prepare_tables(backend: str) -> str | None:
     """The bench's tables in the `backend` database, seeded alike: untracked, tracked by the
-    relay, and under the minimal trigger."""
-    for table in ("bench_plain", "bench_tracked", "bench_minimal"):
+    relay, under the minimal trigger, and under PgQ's trigger where the server has PgQ; returns
+    why PgQ is not measured (None when it is)."""
+    pgq_missing = await pgq.unavailable(backend)
+    tables = ["bench_plain", "bench_tracked", "bench_minimal"]
+    if pgq_missing is None:
+        tables.append(PGQ_TABLE)
+    for table in tables:
         name, ids = sql.Identifier(table), sql.Identifier(f"{table}_ids")
         for statement in (
             sql.SQL("DROP TABLE IF EXISTS {}").format(name),
@@ -117,6 +135,9 @@ async def prepare_tables(backend: str) -> None:
     await execute(backend, "SELECT sync.track('public.bench_tracked', 'bench_item')")
     for ddl in MINIMAL_TRIGGER:
         await execute(backend, ddl)
+    if pgq_missing is None:
+        await pgq.create_queue(backend, PGQ_TABLE)
+    return pgq_missing
 
 
 def _pgbench(env: BenchEnv, mode: Mode, seconds: int, clients: int) -> tuple[float, int]:
@@ -199,6 +220,9 @@ class Mode:
     durable: bool = False
     # Rows each statement changes (one statement per transaction).
     rows: int = 1
+    # A PgQ mode: None, or what runs beside pgbench: PgQ's ticker alone ("ticker"), or the
+    # ticker and a consumer of the queue's batches ("consumer").
+    pgq: str | None = None
 
 
 PACING_OFF = {"SYNC_BATCH_WAIT_MS": "0"}
@@ -206,6 +230,7 @@ MODES = [
     Mode("untracked", "bench_plain", "auto"),
     Mode("tracked_no_notify", "bench_tracked", "off"),
     Mode("minimal_trigger", "bench_minimal", "off"),
+    Mode("pgq_trigger", PGQ_TABLE, "off", pgq="ticker"),
     Mode("tracked_wakeups_on", "bench_tracked", "auto", {}),
     # A consumer that keeps up just as closely without any NOTIFY (no LISTEN, polling every 5 ms):
     # what the consumer's own reads cost producers, with no wake-up machinery at all.
@@ -217,17 +242,29 @@ MODES = [
     ),
     # The consumer reading as soon as it has settled a batch, however fast events arrive.
     Mode("tracked_wakeups_on_unpaced", "bench_tracked", "auto", PACING_OFF),
+    Mode("pgq_consumer_running", PGQ_TABLE, "off", pgq="consumer"),
     # Last in its round, so that no measured mode runs in the wake of its notification flood.
     Mode("tracked_notify_every_tx", "bench_tracked", "always", {}),
 ]
 BULK_ROWS = 100
 # Transactions of one 100-row statement: what the relay costs bulk writers, against the same
-# statements untracked and under the minimal row trigger (one trigger call per row).
+# statements untracked and under the row triggers (one trigger call per row), PgQ's with and
+# without its consumer beside the relay with and without serversync's.
 BULK_MODES = [
     Mode("bulk_untracked", "bench_plain", "auto", rows=BULK_ROWS),
     Mode("bulk_tracked_no_notify", "bench_tracked", "off", rows=BULK_ROWS),
     Mode("bulk_minimal_trigger", "bench_minimal", "off", rows=BULK_ROWS),
+    Mode("bulk_pgq_trigger", PGQ_TABLE, "off", rows=BULK_ROWS, pgq="ticker"),
+    Mode("bulk_tracked_wakeups_on", "bench_tracked", "auto", {}, rows=BULK_ROWS),
+    Mode("bulk_pgq_consumer_running", PGQ_TABLE, "off", rows=BULK_ROWS, pgq="consumer"),
 ]
+# The relay against PgQ, each setting a pair of modes of the same run: (relay, PgQ).
+RELAY_VS_PGQ = {
+    "single_row": ("tracked_no_notify", "pgq_trigger"),
+    "single_row_consumer_running": ("tracked_wakeups_on", "pgq_consumer_running"),
+    "bulk": ("bulk_tracked_no_notify", "bulk_pgq_trigger"),
+    "bulk_consumer_running": ("bulk_tracked_wakeups_on", "bulk_pgq_consumer_running"),
+}
 DURABLE_MODES = [
     Mode("durable_untracked", "bench_plain", "auto", durable=True),
     Mode("durable_tracked_wakeups_on", "bench_tracked", "auto", {}, durable=True),
@@ -268,7 +305,18 @@ async def _run_mode(
     """tps of one run of `mode`, and the machine's CPU microseconds per transaction: PostgreSQL
     (with whatever else ran), pgbench, the consumer, their total, and the hypervisor's steal."""
     consumer = None
-    if mode.consumer is not None:
+    # PgQ's ticker, and its consumer in a "consumer" mode, as one process.
+    pgq_part = {"ticker": "pgq_ticker", "consumer": "pgq_consumer"}.get(mode.pgq or "")
+    if pgq_part is not None:
+        consumer = pgq.start(
+            env.backend,
+            env.workdir / f"pgq-producer-{mode.name}-{round_}.log",
+            consume=mode.pgq == "consumer",
+        )
+        await pgq.started(env.backend, consumer, consume=mode.pgq == "consumer")
+        if mode.pgq == "consumer":
+            await pgq.caught_up(env.backend, consumer)
+    elif mode.consumer is not None:
         consumer = start_service(
             ["run", "frontend-sync", "--sink", "null"],
             {
@@ -289,13 +337,16 @@ async def _run_mode(
         pgbench_before = _children_cpu_seconds()
         consumer_before = process_cpu_seconds(consumer.pid) if consumer is not None else None
         tps, transactions = _pgbench(env, mode, seconds, clients)
+        if pgq_part is not None and consumer is not None:
+            consumer.check_alive()  # a ticker or consumer that failed midway voids the figure
         machine_after = machine_cpu()
         busy = machine_after[0] - machine_before[0]
         pgbench_used = _children_cpu_seconds() - pgbench_before
         used = {"postgres": busy - pgbench_used, "pgbench": pgbench_used}
         if consumer is not None and consumer_before is not None:
-            used["consumer"] = (process_cpu_seconds(consumer.pid) or 0.0) - consumer_before
-            used["postgres"] -= used["consumer"]
+            part = pgq_part or "consumer"
+            used[part] = (process_cpu_seconds(consumer.pid) or 0.0) - consumer_before
+            used["postgres"] -= used[part]
         used["total"] = busy
         used["steal"] = machine_after[1] - machine_before[1]
         cpu = {part: seconds_ * 1e6 / transactions for part, seconds_ in used.items()}
@@ -407,7 +458,9 @@ async def run_producer(
     `rounds` interleaved rounds (every mode once per round) and each figure is the median of its
     runs; the runs themselves are kept in the result.
     """
-    await prepare_tables(env.backend)
+    pgq_missing = await prepare_tables(env.backend)
+    if pgq_missing is not None:
+        progress(f"producer: PgQ not measured: {pgq_missing}")
     per_row = await relay_cost_per_row(env, statements=statements, rounds=max(rounds, 3))
     runs: dict[str, list[float]] = {}
     cpu_runs: dict[str, list[dict[str, float]]] = {}
@@ -420,6 +473,8 @@ async def run_producer(
         for round_ in range(rounds):
             progress(f"producer: round {round_ + 1}/{rounds}")
             for mode in block:
+                if mode.pgq is not None and pgq_missing is not None:
+                    continue
                 tps, cpu = await _run_mode(env, mode, seconds, clients, round_)
                 runs.setdefault(mode.name, []).append(round(tps, 1))
                 cpu_runs.setdefault(mode.name, []).append(cpu)
@@ -454,4 +509,15 @@ async def run_producer(
             for name, cpus in cpu_runs.items()
         },
         "relay_cost": per_row,
+        "pgq": {
+            "measured": pgq_missing is None,
+            "note": pgq_missing,
+            "tick_every_sec": pgq.TICK_EVERY_SEC,
+        },
+        # The relay's tps over PgQ's in each setting (absent when PgQ was not measured).
+        "relay_to_pgq": {
+            setting: round(figures[relay] / figures[queue], 3)
+            for setting, (relay, queue) in RELAY_VS_PGQ.items()
+            if queue in figures
+        },
     }

@@ -82,6 +82,29 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "measured": run["max_ms"],
                 "met": run["max_ms"] <= bound,
             }
+    comparison = result.get("latency_vs_naive")
+    if comparison:
+        # serversync against the design a user writes first (bench/naive.py), measured in the
+        # same run against the same receiver: at every rate, no slower at the median or the tail.
+        for rate in comparison["rates"]:
+            key = f"{rate:g}"
+            run = comparison["runs"][key]
+            ours, naive = run["serversync"], run["naive"]
+            for pct in ("p50", "p99"):
+                checks[f"latency_vs_naive_{pct}_ms_at_{key}"] = {
+                    "target": f"<= the naive relay's {pct} ({naive[f'{pct}_ms']} ms) at {key}/s",
+                    "measured": ours[f"{pct}_ms"],
+                    "met": ours[f"{pct}_ms"] <= naive[f"{pct}_ms"],
+                }
+        runs = [comparison["runs"][f"{rate:g}"] for rate in comparison["rates"]]
+        lost = sum(run["serversync"]["lost"] for run in runs)
+        naive_lost = sum(run["naive"]["lost"] for run in runs)
+        naive_events = sum(run["naive"]["events"] for run in runs)
+        checks["latency_vs_naive_lost_events"] = {
+            "target": f"0 (the naive relay lost {naive_lost} of {naive_events:,})",
+            "measured": lost,
+            "met": lost == 0,
+        }
     producer = result.get("producer")
     if producer:
         ratio = producer["ratio_to_untracked"]["tracked_wakeups_on"]
@@ -105,6 +128,14 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "measured": round(ratio / quiet, 3),
             "met": ratio >= 0.95 * quiet,
         }
+        # The relay against PgQ's C row trigger in the same run, in each setting both were
+        # measured in: with no consumer and with each one's consumer, single-row and 100-row.
+        for setting, relay_to_pgq in producer.get("relay_to_pgq", {}).items():
+            checks[f"producer_relay_vs_pgq_{setting}"] = {
+                "target": ">= 1.0 of PgQ's trigger (tps, same run)",
+                "measured": relay_to_pgq,
+                "met": relay_to_pgq >= 1.0,
+            }
     snapshot = result.get("snapshot")
     if snapshot:
         # A snapshot writes every row into the outbox and its index, WAL-logged, and locks it
@@ -144,8 +175,12 @@ def chart(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     panels = [p for p in ("drain", "latency", "producer", "instructions") if result.get(p)]
+    if result.get("latency_vs_naive"):
+        panels.insert(panels.index("latency") + 1 if "latency" in panels else 0, "latency_vs_naive")
     if (result.get("drain") or {}).get("receivers", {}).get("ratios"):
         panels.insert(1, "receivers")
+    if (result.get("producer") or {}).get("relay_to_pgq"):
+        panels.insert(panels.index("producer") + 1, "producer_pgq")
     if result.get("snapshot"):
         panels += ["snapshot", "snapshot_producers"]
     if not panels:
@@ -154,6 +189,8 @@ def chart(result: dict[str, Any], path: Path) -> bool:
         [len(result["producer"]["ratio_to_untracked"])] if "producer" in panels else [0],
         default=0,
     )
+    if "latency_vs_naive" in panels:  # two bars per percentile and rate, and a gap
+        rows = max(rows, 3 * len(result["latency_vs_naive"]["rates"]))
     height = max(4.2, 1.2 + 0.32 * rows)
     fig, axes = plt.subplots(
         1, len(panels), figsize=(6.0 * len(panels), height), squeeze=False, layout="constrained"
@@ -190,10 +227,14 @@ def chart(result: dict[str, Any], path: Path) -> bool:
             ax.set_ylabel("commit -> applied (ms)")
             ax.set_title("latency")
             ax.legend()
+        elif panel == "latency_vs_naive":
+            _comparison_panel(ax, result["latency_vs_naive"])
         elif panel == "snapshot":
             _snapshot_panel(ax, result["snapshot"])
         elif panel == "snapshot_producers":
             _snapshot_producers_panel(ax, result["snapshot"]["producers"])
+        elif panel == "producer_pgq":
+            _relay_vs_pgq_panel(ax, result["producer"])
         elif panel == "instructions":
             per = result["instructions"]["thousand_instructions_per_statement"]
             _hbars(ax, [key.replace("_", " ") for key in per], list(per.values()), "#72a", "%.1f")
@@ -201,14 +242,66 @@ def chart(result: dict[str, Any], path: Path) -> bool:
             ax.set_title("single-row statements (callgrind)")
         else:
             ratios = result["producer"]["ratio_to_untracked"]
-            _hbars(ax, [k.replace("_", " ") for k in ratios], list(ratios.values()), "#a72", "%.2f")
+            # PgQ's modes in their own colour, among the relay's.
+            colors = [PGQ_COLOR if "pgq" in k else "#a72" for k in ratios]
+            _hbars(ax, [k.replace("_", " ") for k in ratios], list(ratios.values()), colors, "%.2f")
             ax.axvline(0.75, color="red", linestyle="--", linewidth=1)
-            ax.set_xlabel("tps / untracked tps (dashed: the 0.75 target)")
+            ax.set_xlabel("tps / untracked tps (dashed: the 0.75 target; PgQ in blue)")
             ax.set_title(f"producer cost ({result['producer']['clients']} connections)")
     fig.suptitle(f"serversync bench {result.get('name', '')}")
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
+
+
+PGQ_COLOR = "#27a"
+
+
+def _relay_vs_pgq_panel(ax: Any, p: dict[str, Any]) -> None:
+    """The relay's tps over PgQ's trigger's in each setting of the same run, against the 1.0
+    target."""
+    ratios = p["relay_to_pgq"]
+    _hbars(ax, [k.replace("_", " ") for k in ratios], list(ratios.values()), PGQ_COLOR, "%.3f")
+    ax.axvline(1.0, color="red", linestyle="--", linewidth=1)
+    ax.set_xlabel("relay tps / PgQ trigger tps (dashed: the 1.0 target)")
+    ax.set_title(f"relay against PgQ's C trigger ({p['clients']} connections)")
+
+
+def _comparison_panel(ax: Any, v: dict[str, Any]) -> None:
+    """p50 and p99 of serversync and of the naive relay at each rate: a pair of horizontal bars
+    per rate and percentile, each value written past its bar (log scale when they span more
+    than 50x, so that the short bars stay readable)."""
+    labels, ours, naive = [], [], []
+    for rate in v["rates"]:
+        run = v["runs"][f"{rate:g}"]
+        for pct in ("p50", "p99"):
+            labels.append(f"{rate:,.0f}/s {pct}")
+            ours.append(max(run["serversync"][f"{pct}_ms"], 0.01))
+            naive.append(max(run["naive"][f"{pct}_ms"], 0.01))
+    positions = list(range(len(labels)))
+    height = 0.38
+    for values, offset, name, color in (
+        (ours, -height / 2, "serversync", "#2a7"),
+        (naive, height / 2, "naive relay", "#888"),
+    ):
+        drawn = ax.barh(
+            [y + offset for y in positions], values, height=height, color=color, label=name
+        )
+        ax.bar_label(drawn, fmt="%.1f", fontsize=7, padding=2)
+    ax.set_yticks(positions, labels)
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=8)
+    everything = ours + naive
+    if max(everything) / min(everything) > 50:
+        ax.set_xscale("log")
+        ax.set_xlim(min(everything) / 2, max(everything) * 4)
+    else:
+        ax.set_xlim(0, max(everything) * 1.2)
+    lost = sum(v["runs"][f"{rate:g}"]["naive"]["lost"] for rate in v["rates"])
+    ax.set_xlabel("commit -> applied (ms)")
+    ax.set_title(f"against the naive relay (it lost {lost} events)")
+    # Beside the axes: inside, it could cover a bar's value.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def _receivers_panel(ax: Any, r: dict[str, Any]) -> None:
@@ -274,8 +367,11 @@ def _snapshot_producers_panel(ax: Any, p: dict[str, Any]) -> None:
     )
 
 
-def _hbars(ax: Any, labels: list[str], values: list[float], color: str, fmt: str) -> None:
-    """Horizontal bars, the first label on top, each value written just past its bar."""
+def _hbars(
+    ax: Any, labels: list[str], values: list[float], color: str | list[str], fmt: str
+) -> None:
+    """Horizontal bars, the first label on top, each value written just past its bar (`color`:
+    one for all bars, or one per bar)."""
     drawn = ax.barh(labels, values, color=color)
     ax.invert_yaxis()
     ax.bar_label(drawn, fmt=fmt, fontsize=8, padding=3)

@@ -19,14 +19,24 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psycopg
 import pytest
 
-from bench.producer import BULK_MODES, DURABLE_MODES, KINDS, MODES, RELAY_COST_TABLES
+from bench.pgq import TICK_EVERY_SEC
+from bench.producer import (
+    BULK_MODES,
+    DURABLE_MODES,
+    KINDS,
+    MODES,
+    RELAY_COST_TABLES,
+    RELAY_VS_PGQ,
+)
 from bench.receivers import RATIOS, RECEIVER_PARTS, RECEIVERS
 from bench.snapshot import LABELS as SNAPSHOT_LABELS
 from bench.snapshot import RATIOS as SNAPSHOT_RATIOS
 from bench.snapshot import READS as SNAPSHOT_READS_MEASURED
 from bench.snapshot import SNAPSHOT_READS
+from consumer.devtools.devdb import Server
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -178,6 +188,8 @@ def check_producer(producer: dict[str, Any], parameters: dict[str, Any]) -> None
     modes = [*MODES, *BULK_MODES]
     if parameters["server"] == "private cluster":  # durable settings need a cluster of its own
         modes += DURABLE_MODES
+    if not producer["pgq"]["measured"]:  # a server without PgQ's extension
+        modes = [mode for mode in modes if mode.pgq is None]
     names = {mode.name for mode in modes}
     assert producer["rounds"] == parameters["rounds"]
     assert set(producer["tps"]) == names
@@ -330,6 +342,67 @@ def test_bench_all_reports_each_figure_beside_its_references(tmp_path: Path) -> 
     assert (tmp_path / "smoke.png").stat().st_size > 1000
 
 
+def _has_pgq(server: Server) -> bool:
+    """Whether the server the bench measures on (the one the tests found, by the same rules) has
+    PgQ's extension."""
+    with psycopg.connect(server.dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_available_extensions WHERE name = 'pgq')"
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def test_bench_producer_measures_pgq_beside_the_relay(tmp_path: Path, pg_server: Server) -> None:
+    if not _has_pgq(pg_server):
+        pytest.skip(
+            "the server has no pgq extension (Debian package postgresql-15-pgq3; .ci/run"
+            " installs it): the bench leaves PgQ out"
+        )
+    result = _bench(
+        *("producer", "--quick", "--seconds", "1", "--rounds", "1"),
+        *("--name", "pgq", "--out", str(tmp_path)),
+    )
+    figures = orjson.loads((tmp_path / "pgq.json").read_bytes())
+    producer = figures["producer"]
+    assert producer["pgq"] == {"measured": True, "note": None, "tick_every_sec": TICK_EVERY_SEC}
+    # Every PgQ mode ran in the same rounds as the relay's, with its figures checked as theirs.
+    pgq_modes = {mode.name: mode for mode in [*MODES, *BULK_MODES] if mode.pgq is not None}
+    assert set(pgq_modes) == {queue for _, queue in RELAY_VS_PGQ.values()}
+    assert pgq_modes.keys() <= producer["tps"].keys()
+    check_producer(producer, figures["parameters"])
+    # PgQ's ticker runs beside every PgQ mode, its consumer too where one is measured; their CPU
+    # is reported apart from PostgreSQL's, as serversync's consumer's is.
+    for name, mode in pgq_modes.items():
+        part = "pgq_consumer" if mode.pgq == "consumer" else "pgq_ticker"
+        assert producer["cpu_us_per_tx"][name][part] >= 0, (name, producer["cpu_us_per_tx"][name])
+    # The relay over PgQ in each setting is the quotient of the two modes' tps.
+    tps = producer["tps"]
+    assert set(producer["relay_to_pgq"]) == set(RELAY_VS_PGQ)
+    for setting, (relay, queue) in RELAY_VS_PGQ.items():
+        assert_ratio(producer["relay_to_pgq"][setting], tps[relay], tps[queue], setting)
+
+    # A target for each setting, reporting that ratio, met when the relay is at least as fast.
+    targets = figures["targets"]
+    for setting, ratio in producer["relay_to_pgq"].items():
+        check = targets[f"producer_relay_vs_pgq_{setting}"]
+        assert check["measured"] == ratio, setting
+        assert check["met"] is (ratio >= 1.0), setting
+
+    # The summary a reader sees says the same.
+    out = result.stdout
+    for name in pgq_modes:
+        ratio = producer["ratio_to_untracked"][name]
+        assert re.search(rf"^  {name} +[\d,.]+  {ratio:.3f}", out, re.MULTILINE), name
+    assert "relay / PgQ's C trigger" in out
+    for setting, ratio in producer["relay_to_pgq"].items():
+        assert f"{setting} {ratio:.3f}" in out, setting
+    for name, check in targets.items():
+        mark = "ok  " if check["met"] else "MISS"
+        assert f"[{mark}] {name}: {check['measured']}" in out, name
+    assert "PgQ not measured" not in out
+    assert (tmp_path / "pgq.png").stat().st_size > 1000
+
+
 @pytest.mark.skipif(
     shutil.which("valgrind") is None,
     reason="valgrind is not installed (Debian package valgrind; .ci/run installs it)",
@@ -443,3 +516,81 @@ def test_bench_snapshot_reports_the_snapshot_beside_copy_and_producers(tmp_path:
         mark = "ok  " if check["met"] else "MISS"
         assert f"[{mark}] {name}: {check['measured']}" in out, name
     assert (tmp_path / "snap.png").stat().st_size > 1000
+
+
+def check_comparison(comparison: dict[str, Any], rates: list[float], seconds: float) -> None:
+    """At every rate both paths committed what the rate and seconds give, with ordered
+    percentiles; serversync delivered every event it committed, the naive relay delivered or
+    lost each of its own; the producers' costs are there (CPU where the server is local)."""
+    assert comparison["rates"] == rates
+    assert sorted(comparison["runs"]) == sorted(f"{rate:g}" for rate in rates)
+    for rate in rates:
+        run = comparison["runs"][f"{rate:g}"]
+        assert run["target_rate"] == rate
+        for path in ("serversync", "naive"):
+            figures = run[path]
+            assert figures["events"] == int(rate * seconds), (rate, path)
+            assert figures["achieved_rate"] > 0, (rate, path)
+            ordered = [figures[key] for key in ("p50_ms", "p95_ms", "p99_ms", "max_ms")]
+            assert ordered[0] >= 0 and ordered == sorted(ordered), (rate, path, figures)
+            assert 0 < figures["commit_p50_ms"] <= figures["commit_p99_ms"], (rate, path, figures)
+            assert figures["delivered"] + figures["lost"] == figures["events"], (rate, path)
+            assert figures["delivered"] > 0, (rate, path)
+            for cost in ("producer_backend_cpu_us_per_event", "delivery_cpu_us_per_event"):
+                if comparison["cpu_measured"]:  # a small run may fall within a clock tick
+                    assert figures[cost] >= 0, (rate, path, cost)
+                else:
+                    assert figures[cost] is None, (rate, path, cost)
+        assert (run["serversync"]["delivered"], run["serversync"]["lost"]) == (
+            run["serversync"]["events"],
+            0,
+        ), run
+
+
+def test_bench_latency_compares_serversync_with_the_naive_relay(tmp_path: Path) -> None:
+    result = _bench(
+        *("latency", "--quick", "--seconds", "1", "--rate", "50", "--rates", "20,50"),
+        *("--connections", "2", "--poll-interval", "0.3", "--name", "naive"),
+        *("--out", str(tmp_path)),
+    )
+    figures = orjson.loads((tmp_path / "naive.json").read_bytes())
+    parameters = figures["parameters"]
+    assert (parameters["rates"], parameters["connections"]) == ([20.0, 50.0], 2)
+    comparison = figures["latency_vs_naive"]
+    assert (comparison["connections_per_path"], comparison["seconds"]) == (2, 1.0)
+    assert comparison["poll_interval_sec"] == 0.3
+    check_comparison(comparison, [20.0, 50.0], 1.0)
+    check_latency(figures["latency"], parameters)  # the NOTIFY and polling runs stay beside it
+
+    # Each rate's targets report serversync's figure and are met when it is no slower than the
+    # naive relay's; one more reports the events serversync lost beside the naive relay's.
+    targets = figures["targets"]
+    for rate in ("20", "50"):
+        run = comparison["runs"][rate]
+        for pct in ("p50", "p99"):
+            check = targets[f"latency_vs_naive_{pct}_ms_at_{rate}"]
+            ours, naive = run["serversync"][f"{pct}_ms"], run["naive"][f"{pct}_ms"]
+            assert check["measured"] == ours, (rate, pct)
+            assert check["met"] is (ours <= naive), (rate, pct)
+            assert f"({naive} ms)" in check["target"], (rate, pct)
+    naive_lost = sum(run["naive"]["lost"] for run in comparison["runs"].values())
+    lost = targets["latency_vs_naive_lost_events"]
+    assert (lost["measured"], lost["met"]) == (0, True)
+    assert f"the naive relay lost {naive_lost} of " in lost["target"]
+
+    # The summary a reader sees says the same.
+    out = result.stdout
+    assert "latency against the naive relay" in out
+    for rate, run in comparison["runs"].items():
+        for path in ("serversync", "naive"):
+            f = run[path]
+            assert re.search(
+                rf"^ +{rate}/s {path} +p50 {f['p50_ms']}, p95 {f['p95_ms']}, p99 {f['p99_ms']},"
+                rf" max {f['max_ms']}; .* lost {f['lost']} of {f['events']}$",
+                out,
+                re.MULTILINE,
+            ), (rate, path)
+    for name, check in targets.items():
+        mark = "ok  " if check["met"] else "MISS"
+        assert f"[{mark}] {name}: {check['measured']}" in out, name
+    assert (tmp_path / "naive.png").stat().st_size > 1000
