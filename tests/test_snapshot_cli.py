@@ -202,20 +202,36 @@ async def test_max_rate_paces_the_chunks_and_a_bad_rate_is_bad_input(backend_dsn
     assert took >= 0.59, took
 
 
-async def test_a_row_with_an_empty_key_stops_the_snapshot_with_one_line(backend_dsn: str) -> None:
-    """A row the relay would refuse (an empty key), there before the table was tracked: the
-    snapshot stops at its chunk, says which table and column, and writes nothing of it."""
-    await make_table(
-        backend_dsn,
-        "CREATE TABLE codes (code text PRIMARY KEY, v int)",
-        "INSERT INTO codes VALUES ('a', 1), ('', 2), ('b', 3)",
-        "SELECT sync.track('codes', 'code', 'code')",
-    )
-    result = await snapshot_cli(backend_dsn, "codes")
+@pytest.mark.parametrize(
+    ("table", "create", "rows", "track"),
+    [
+        (
+            "codes",
+            "CREATE TABLE codes (code text PRIMARY KEY, v int)",
+            "INSERT INTO codes VALUES ('a', 1), ('', 2), ('b', 3)",
+            "SELECT sync.track('codes', 'code', 'code')",
+        ),
+        (
+            "badges",
+            "CREATE TABLE badges (id int PRIMARY KEY, code text UNIQUE)",
+            "INSERT INTO badges VALUES (1, 'a'), (2, NULL), (3, 'c')",
+            "SELECT sync.track('badges', 'badge', 'code')",
+        ),
+    ],
+    ids=["empty-key", "null-key"],
+)
+async def test_a_row_the_relay_would_refuse_stops_the_snapshot_with_one_line(
+    backend_dsn: str, table: str, create: str, rows: str, track: str
+) -> None:
+    """A row with an empty or NULL key, there before the table was tracked (the relay refuses
+    such a row): the snapshot stops with one line naming the table and column, and writes
+    nothing of it (a NULL key, which sorts after every other, is found before the first chunk)."""
+    await make_table(backend_dsn, create, rows, track)
+    result = await snapshot_cli(backend_dsn, table)
     assert result.code == 1, result
     assert "Traceback" not in result.stderr
     [error] = [line for line in result.stderr.splitlines() if line.startswith("serversync:")]
-    assert "empty or NULL key (column code)" in error and "codes" in error, error
+    assert "empty or NULL key (column code)" in error and table in error, error
     assert await snapshot_outbox(backend_dsn, await only_snapshot(backend_dsn)) == []
 
 
@@ -407,23 +423,6 @@ async def test_delete_missing_refuses_to_leave_out_a_table_of_a_swept_entity_typ
     # Without the sweep, one table alone is fine; with both named, the sweep is too.
     assert_ok(await snapshot_cli(backend_dsn, "items"))
     assert_ok(await snapshot_cli(backend_dsn, "items", "old_items", "--delete-missing"))
-
-
-async def test_a_null_key_stops_the_snapshot_before_it_sends_anything(backend_dsn: str) -> None:
-    """A nullable key column holding a NULL (rows from before the table was tracked): refused
-    with one line, as the relay refuses such a row, instead of a chunk that matches nothing."""
-    await make_table(
-        backend_dsn,
-        "CREATE TABLE badges (id int PRIMARY KEY, code text UNIQUE)",
-        "INSERT INTO badges VALUES (1, 'a'), (2, NULL), (3, 'c')",
-        "SELECT sync.track('badges', 'badge', 'code')",
-    )
-    result = await snapshot_cli(backend_dsn, "badges")
-    assert result.code == 1, result
-    assert "Traceback" not in result.stderr
-    [error] = [line for line in result.stderr.splitlines() if line.startswith("serversync:")]
-    assert "empty or NULL key (column code)" in error and "badges" in error, error
-    assert await snapshot_outbox(backend_dsn, await only_snapshot(backend_dsn)) == []
 
 
 async def test_an_inherited_tables_children_are_not_its_rows(backend_dsn: str) -> None:
