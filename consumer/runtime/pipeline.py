@@ -23,7 +23,6 @@ from opentelemetry import trace
 
 from consumer.core.events import Batch, Outcome, Position
 from consumer.observability import instruments
-from consumer.runtime.backoff import Backoff
 from consumer.runtime.config import RuntimeConfig
 from consumer.runtime.pacing import ReadPacer
 from consumer.runtime.settle import Settled, Settler
@@ -34,9 +33,6 @@ from consumer.runtime.wakeup import NotifyListener
 from consumer.store.outbox import FencedError, OutboxStore, ReadResult
 
 log = logging.getLogger("serversync.runtime")
-
-# The first re-read while the read horizon is held back (consumer/runtime/pipeline.py, drain).
-RECHECK_FIRST = 0.002
 
 
 @dataclass
@@ -89,15 +85,6 @@ class Pipeline:
         window = max(1, self.config.max_in_flight)
         await self.waiting.start()
         pacer = ReadPacer(self.config.batch_wait, self.config.batch_wait_min_rate)
-        # While an open transaction (of any database of the server) holds the read horizon back,
-        # nothing wakes the consumer when it ends unless it wrote the outbox: re-read soon, then
-        # less and less often, up to SYNC_RECHECK_INTERVAL_MS. Most such transactions end within
-        # milliseconds (a commit's WAL flush), and a re-read costs one indexed read.
-        recheck = Backoff(
-            min(RECHECK_FIRST, self.config.recheck_interval),
-            self.config.recheck_interval,
-            jitter=0,
-        )
         prefetch: asyncio.Task[ReadResult] | None = None
         in_flight: collections.deque[_InFlight] = collections.deque()
         try:
@@ -113,11 +100,8 @@ class Pipeline:
                         if not await self._finish_all(in_flight):
                             return
                     elif not await self.waiting.read_again():
-                        await self._sleep(recheck.next_delay() if result.held_back else None)
-                    if not result.held_back:
-                        recheck.reset()
+                        await self._sleep(held_back=result.held_back)
                     continue
-                recheck.reset()
                 pacer.observe(batch.count)
                 in_flight.append(self._start_delivery(batch))
                 await self.waiting.found_events()
@@ -160,11 +144,10 @@ class Pipeline:
     async def _read(self, position: Position, limit: int) -> ReadResult:
         return await self.store.read_batch(position, limit, **self._read_options)
 
-    async def _sleep(self, recheck: float | None) -> None:
+    async def _sleep(self, *, held_back: bool) -> None:
         """Nothing to read: sleep until a NOTIFY, the poll timer or, while an older open
-        transaction holds the horizon back, `recheck` seconds."""
-        held_back = recheck is not None
-        timeout = recheck if recheck is not None else self.config.poll_interval
+        transaction holds the horizon back, the re-check timer."""
+        timeout = self.config.recheck_interval if held_back else self.config.poll_interval
         reason = await wait_for_work(
             self.steps, self.stats, self.wakeup, timeout, held_back=held_back
         )
