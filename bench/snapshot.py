@@ -45,13 +45,13 @@ from psycopg import conninfo, sql
 
 from bench.harness import BenchEnv, CpuMeter, cpu_meter, execute, progress
 from bench.producer import pgbench_path
+from consumer.store.snapshot_writer import run_snapshot
 from consumer.store.snapshots import (
     CHUNK_SIZE,
     SnapshotTable,
     cancel_snapshot,
     create_snapshot,
     plan_tables,
-    run_snapshot,
 )
 
 TABLE = "bench_snapshot_calls"

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from consumer.store import snapshots
+from consumer.store import snapshot_writer, snapshots
 from tests.conftest import (
     ROOT,
     cli_env,
@@ -458,7 +458,7 @@ async def test_a_table_dropped_under_a_snapshot_stops_it_with_what_to_do(
         snapshot_id = await snapshots.create_snapshot(conn, planned)
         await conn.execute("DROP TABLE items")
         with pytest.raises(psycopg.errors.UndefinedTable, match="no longer exists") as raised:
-            await snapshots.run_snapshot(conn, snapshot_id)
+            await snapshot_writer.run_snapshot(conn, snapshot_id)
     assert f"serversync snapshot --cancel {snapshot_id}" in str(raised.value)
     cancelled = await snapshot_cli(backend_dsn, "--cancel", str(snapshot_id))
     assert_ok(cancelled)
@@ -586,7 +586,7 @@ async def _unfinished_snapshot(dsn: str, *tables: str, consumer: str | None = No
     async with conn:
         planned = await snapshots.plan_tables(conn, tables)
         snapshot_id = await snapshots.create_snapshot(conn, planned, consumer=consumer)
-        shot = await snapshots.run_snapshot(
+        shot = await snapshot_writer.run_snapshot(
             conn, snapshot_id, chunk_size=1, progress=after_a_chunk, stop=stop
         )
     assert shot.state == "running" and shot.rows_sent == 1, shot

@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 
-from consumer.store import snapshots
+from consumer.store import snapshot_writer, snapshots
 from tests.conftest import fetch_all, make_settings, running_consumer
 from tests.support.backend import CONSUMER, execute, insert_callers, outbox_end
 from tests.support.receivers import scripted_receiver
@@ -29,7 +29,7 @@ async def _snapshot(dsn: str, *tables: str, consumer: str | None = None) -> int:
     async with conn:
         planned = await snapshots.plan_tables(conn, tables)
         snapshot_id = await snapshots.create_snapshot(conn, planned, consumer=consumer)
-        done = await snapshots.run_snapshot(conn, snapshot_id, chunk_size=3)
+        done = await snapshot_writer.run_snapshot(conn, snapshot_id, chunk_size=3)
     assert done.state == "done"
     return snapshot_id
 

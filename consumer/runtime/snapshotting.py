@@ -30,12 +30,12 @@ from consumer.observability.redact import safe_error
 from consumer.runtime.backoff import Backoff
 from consumer.store.db import connect
 from consumer.store.new_consumers import REQUESTED_BY, Registration, StartFrom, record_error
+from consumer.store.snapshot_writer import run_snapshot
 from consumer.store.snapshots import (
     CHUNK_SIZE,
     SnapshotBusyError,
     SnapshotError,
     SnapshotState,
-    run_snapshot,
     unfinished,
 )
 

@@ -349,7 +349,7 @@ async def last_snapshot_id(dsn: str) -> int:
 
 
 async def snapshot_unlocked(dsn: str, snapshot_id: int) -> bool:
-    """No connection holds the lock of the snapshot's writer (consumer/store/snapshots.py): the
+    """No connection holds the lock of the snapshot's writer (consumer/store/snapshot_writer.py): the
     backend of a killed writer has ended, and a new one may take over."""
     held = await fetch_value(
         dsn,

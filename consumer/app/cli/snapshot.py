@@ -25,7 +25,7 @@ from consumer.app.cli.common import (
 )
 from consumer.app.cli.render import one_line, snapshot_progress, table
 from consumer.app.settings import SyncSettings
-from consumer.store import admin, snapshots
+from consumer.store import admin, snapshot_writer, snapshots
 from consumer.store.snapshots import SnapshotError, SnapshotState, SnapshotTable
 
 # A chunk's rows stay locked FOR SHARE until it commits: beyond this a producer editing one of
@@ -339,7 +339,7 @@ async def _write(
             )
             rows_before = 0
         progress = _Progress(sys.stderr, rows_before)
-        shot = await snapshots.run_snapshot(
+        shot = await snapshot_writer.run_snapshot(
             conn,
             snapshot_id,
             chunk_size=args.chunk_size,
