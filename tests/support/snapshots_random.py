@@ -349,8 +349,9 @@ async def last_snapshot_id(dsn: str) -> int:
 
 
 async def snapshot_unlocked(dsn: str, snapshot_id: int) -> bool:
-    """No connection holds the lock of the snapshot's writer (consumer/store/snapshot_writer.py): the
-    backend of a killed writer has ended, and a new one may take over."""
+    """No connection holds the lock of the snapshot's writer
+    (consumer/store/snapshot_writer.py): the backend of a killed writer has ended, and a new one
+    may take over."""
     held = await fetch_value(
         dsn,
         "SELECT count(*) FROM pg_locks l "
