@@ -193,13 +193,31 @@ SELECT coalesce((SELECT n_live_tup FROM pg_stat_user_tables
 
 -- name: horizon_state
 -- Committed events that no consumer can read yet because an older transaction is still open.
+--
+-- They are the rows from the read horizon on, walked along the primary key: the horizon is known
+-- only when the query runs, and a plain count(*) WHERE txid >= horizon was planned as a scan of
+-- the whole outbox (two seconds at 10 million rows, on every `serversync status`). The walk
+-- counts up to 10,000 events (admin.EXACT_BACKLOG_UP_TO, written out so that the query takes no
+-- parameter) and estimates beyond from seq numbers, as consumer_status does for the backlog
+-- (`held_back_estimated`): a transaction left open while producers write holds back ever more.
+-- The age is that of the oldest of those first events.
 WITH horizon AS MATERIALIZED (
     SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
+), newest AS MATERIALIZED (
+    SELECT o.seq FROM sync.events_outbox o ORDER BY o.txid DESC, o.seq DESC LIMIT 1
+), first AS (
+    SELECT o.seq, o.created_at
+    FROM sync.events_outbox o
+    WHERE o.txid >= (SELECT xmin FROM horizon)
+    ORDER BY o.txid, o.seq
+    LIMIT 10001
 )
-SELECT count(*) AS held_back_events,
-       extract(epoch FROM now() - min(o.created_at))::float8 AS oldest_held_back_seconds
-FROM sync.events_outbox o
-WHERE o.txid >= (SELECT xmin FROM horizon);
+SELECT CASE WHEN count(*) <= 10000 THEN count(*)
+            ELSE greatest(count(*), (SELECT seq FROM newest) - min(f.seq) + 1)
+       END AS held_back_events,
+       count(*) > 10000 AS held_back_estimated,
+       extract(epoch FROM now() - min(f.created_at))::float8 AS oldest_held_back_seconds
+FROM first f;
 
 -- name: horizon_blockers
 -- The oldest open transactions that hold an xid: the read horizon of every consumer waits for
@@ -452,72 +470,127 @@ SELECT now() - %(older_than)s::interval AS cutoff;
 
 -- name: retention_consumer_needs
 -- Every registered consumer, its position, and the rows older than the cutoff it has not passed
--- yet (cleanup keeps those). For a consumer that keeps up, the rows after its position are few
--- and young: the count walks the position index over just those.
+-- yet (cleanup keeps those), counted among the first exact_up_to + 1 rows after its position
+-- (`walked`: how many there were). When walked <= exact_up_to the count is the consumer's whole
+-- need; otherwise it is a lower bound, and retention_outbox_plan's sample estimates the rest.
+-- A consumer that keeps up has few rows after its position; an exact count for one far behind
+-- would read the outbox from its position to the end.
 SELECT c.consumer,
        c.last_txid::text AS last_txid,
        c.last_seq,
        c.updated_at,
+       needed.walked,
        needed.old_rows_needed,
        needed.oldest_needed_at
 FROM sync.consumer_offsets c
 CROSS JOIN LATERAL (
-    SELECT count(*) AS old_rows_needed, min(o.created_at) AS oldest_needed_at
-    FROM sync.events_outbox o
-    WHERE (o.txid, o.seq) > (c.last_txid, c.last_seq)
-      AND o.created_at < %(cutoff)s
+    SELECT count(*) AS walked,
+           count(*) FILTER (WHERE w.created_at < %(cutoff)s) AS old_rows_needed,
+           min(w.created_at) FILTER (WHERE w.created_at < %(cutoff)s) AS oldest_needed_at
+    FROM (
+        SELECT o.created_at
+        FROM sync.events_outbox o
+        WHERE (o.txid, o.seq) > (c.last_txid, c.last_seq)
+        ORDER BY o.txid, o.seq
+        LIMIT %(exact_up_to)s::bigint + 1
+    ) w
 ) needed
 ORDER BY c.consumer;
 
 -- name: retention_outbox_plan
--- Rows older than the cutoff, and how many of them every consumer has passed: those at or before
--- the floor, the position of the consumer furthest behind. With no consumer there is no floor,
--- the comparison is NULL and nothing counts as passed.
-WITH floor AS MATERIALIZED (
-    SELECT c.last_txid, c.last_seq
-    FROM sync.consumer_offsets c
-    ORDER BY c.last_txid, c.last_seq
-    LIMIT 1
+-- Rows older than the cutoff, and for every consumer the ones it has not passed, counted in a
+-- sample of about sample_blocks of the outbox's blocks (TABLESAMPLE SYSTEM: whole blocks, picked
+-- at random), so that planning reads as much of a 10-million-row outbox as of a small one. No
+-- index on created_at finds old rows (sql/backend/schema.sql says why): an exact count reads the
+-- whole table. `percent` is the share of the blocks read: a count times 100 / percent estimates
+-- the outbox's, and is exact when percent is 100 (an outbox of at most sample_blocks blocks is
+-- read whole). oldest_needed_at is the oldest such row in the sample. With no consumer there is
+-- one row, its consumer NULL.
+WITH size AS MATERIALIZED (
+    SELECT least(100, 100.0 * %(sample_blocks)s::bigint
+                      / greatest(1, pg_relation_size('sync.events_outbox'::regclass)
+                                    / current_setting('block_size')::bigint))::float8 AS percent
+), sample AS MATERIALIZED (
+    SELECT o.txid, o.seq, o.created_at
+    FROM sync.events_outbox o TABLESAMPLE SYSTEM ((SELECT s.percent FROM size s))
+    WHERE o.created_at < %(cutoff)s
 )
-SELECT count(*) AS old_rows,
-       count(*) FILTER (WHERE (o.txid, o.seq) <= (f.last_txid, f.last_seq)) AS passed_rows
-FROM sync.events_outbox o
-LEFT JOIN floor f ON true
-WHERE o.created_at < %(cutoff)s;
+SELECT (SELECT s.percent FROM size s) AS percent,
+       (SELECT count(*) FROM sample) AS old_rows,
+       c.consumer,
+       needed.old_rows_needed,
+       needed.oldest_needed_at
+FROM (SELECT) one
+LEFT JOIN sync.consumer_offsets c ON true
+LEFT JOIN LATERAL (
+    SELECT count(*) AS old_rows_needed, min(s.created_at) AS oldest_needed_at
+    FROM sample s
+    WHERE (s.txid, s.seq) > (c.last_txid, c.last_seq)
+) needed ON c.consumer IS NOT NULL
+ORDER BY c.consumer;
 
 -- name: retention_delete_outbox
--- One batch: up to `limit` rows older than the cutoff that every consumer has passed, in
--- position order after `after` (the last row of the previous batch, so no batch walks the index
--- entries of rows deleted before it). The floor is read again by every batch, so a consumer
--- registered or reset meanwhile is honoured from the next batch on. DELETE takes ROW EXCLUSIVE
--- on the table, as producers' INSERTs do, and these two never conflict; the rows it locks are
--- old ones no producer touches. Returns how many went and the position of the last one.
+-- One batch: of the next `window` rows in position order after `after` that every consumer has
+-- passed, the first `limit` older than the cutoff. `after` is where the previous batch stopped,
+-- so no batch walks the index entries of rows deleted before it. The window bounds what one
+-- batch reads wherever the old rows are: past them, a batch reads `window` younger rows and
+-- deletes none, where a search for `limit` old ones would walk the rest of the outbox up to the
+-- floor in one statement. The floor is read again by every batch, so a consumer registered or
+-- reset meanwhile is honoured from the next batch on. DELETE takes ROW EXCLUSIVE on the table,
+-- as producers' INSERTs do, and these two never conflict; the rows it locks are old ones no
+-- producer touches. Returns how many went and the position of the last one; how many rows the
+-- window held and the position of its last; and how many of them follow the last row picked
+-- (all of them when none was): the younger rows the window ended with.
 WITH floor AS MATERIALIZED (
     SELECT c.last_txid, c.last_seq
     FROM sync.consumer_offsets c
     ORDER BY c.last_txid, c.last_seq
     LIMIT 1
-), doomed AS MATERIALIZED (
-    SELECT d.ctid AS row_id
+), examined AS MATERIALIZED (
+    SELECT w.ctid AS row_id, w.txid, w.seq, w.created_at < %(cutoff)s AS old
     FROM floor f
     CROSS JOIN LATERAL (
-        SELECT o.ctid
+        SELECT o.ctid, o.txid, o.seq, o.created_at
         FROM sync.events_outbox o
         WHERE (o.txid, o.seq) > (%(after_txid)s::xid8, %(after_seq)s::bigint)
           AND (o.txid, o.seq) <= (f.last_txid, f.last_seq)
-          AND o.created_at < %(cutoff)s
         ORDER BY o.txid, o.seq
-        LIMIT %(limit)s
-    ) d
+        LIMIT %(window)s
+    ) w
+), doomed AS MATERIALIZED (
+    SELECT e.row_id, e.txid, e.seq
+    FROM examined e
+    WHERE e.old
+    ORDER BY e.txid, e.seq
+    LIMIT %(limit)s
 ), gone AS (
     DELETE FROM sync.events_outbox o
     WHERE o.ctid = ANY (ARRAY(SELECT row_id FROM doomed))
     RETURNING o.txid, o.seq
+), last_doomed AS (
+    SELECT d.txid, d.seq FROM doomed d ORDER BY d.txid DESC, d.seq DESC LIMIT 1
+), last_examined AS (
+    SELECT e.txid, e.seq FROM examined e ORDER BY e.txid DESC, e.seq DESC LIMIT 1
 )
-SELECT count(*) AS deleted,
-       (array_agg(g.txid ORDER BY g.txid DESC, g.seq DESC))[1]::text AS last_txid,
-       (array_agg(g.seq ORDER BY g.txid DESC, g.seq DESC))[1] AS last_seq
-FROM gone g;
+SELECT (SELECT count(*) FROM gone) AS deleted,
+       (SELECT (array_agg(g.txid ORDER BY g.txid DESC, g.seq DESC))[1]::text FROM gone g)
+           AS last_txid,
+       (SELECT (array_agg(g.seq ORDER BY g.txid DESC, g.seq DESC))[1] FROM gone g) AS last_seq,
+       (SELECT count(*) FROM examined) AS examined,
+       (SELECT l.txid::text FROM last_examined l) AS end_txid,
+       (SELECT l.seq FROM last_examined l) AS end_seq,
+       (SELECT count(*)
+        FROM examined e
+        WHERE NOT EXISTS (SELECT FROM last_doomed d WHERE (e.txid, e.seq) <= (d.txid, d.seq)))
+           AS young_tail;
+
+-- name: retention_outbox_first
+-- The first row in delivery order, read once after a cleanup deleted rows. Until VACUUM removes
+-- them, the deleted rows' index entries stay at the start of the primary key, and the first walk
+-- from the start (the outbox gauges' oldest row, a consumer at the start) visits every one's heap
+-- tuple: 4.5 s after 3 million rows went, where the walks after it, which skip the entries it
+-- marked dead, take milliseconds. The cleanup takes that first walk itself.
+SELECT o.created_at FROM sync.events_outbox o ORDER BY o.txid, o.seq LIMIT 1;
 
 -- name: retention_dlq_count
 -- Dead letters resolved before the cutoff (updated_at is stamped when a message is resolved and

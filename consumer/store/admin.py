@@ -56,7 +56,9 @@ async def outbox_stats(conn: psycopg.AsyncConnection[Any]) -> dict[str, Any]:
 
 
 async def horizon(conn: psycopg.AsyncConnection[Any], limit: int = 3) -> dict[str, Any]:
-    """Committed events held back by older open transactions, and those transactions."""
+    """Committed events held back by older open transactions (held_back_events: exact up to
+    EXACT_BACKLOG_UP_TO, else an estimate, with held_back_estimated set), the age of the oldest,
+    and those transactions."""
     async with conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(query("horizon_state"))
         state = await cur.fetchone() or {}
