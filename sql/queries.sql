@@ -4,10 +4,16 @@
 -- name: read_batch
 -- The gap-safe read. One statement, so the horizon and the rows come from the same snapshot:
 -- only transactions older than the snapshot's xmin are read; every one of them has ended, so
--- nothing can later appear behind the position. `held_back` says that some transaction was still
--- running when the snapshot was taken (xmin < xmax): rows it or a younger one committed may be
--- waiting behind the horizon, and nothing will notify when an unrelated transaction ends, so the
--- caller re-checks soon instead of waiting for the poll timer.
+-- nothing can later appear behind the position. `held_back` says that committed rows wait behind
+-- the horizon for an older transaction that is still running: nothing will notify when that one
+-- ends if it writes no outbox row, so the caller re-checks soon instead of waiting for the poll
+-- timer. A row at or beyond the horizon that this snapshot sees is committed (a running
+-- transaction's rows are not visible to it); only a running transaction (xmin < xmax) can hold
+-- one back. The probe is the largest txid this snapshot sees, read backwards from the end of the
+-- primary key past the running transactions' rows: a few index entries at any outbox size (an
+-- EXISTS over `txid >= xmin` was planned as a sequential scan that stops at the first match, and
+-- there is none when nothing waits). While nothing committed waits, a running transaction that
+-- writes the outbox will notify when it commits, and re-checking would only cost reads.
 --
 -- One row per event, in delivery order, each carrying held_back; with no event, one row of
 -- NULLs that still carries it. The LATERAL subquery refers to the horizon, so PostgreSQL can only
@@ -19,7 +25,9 @@
 -- row (consumer/wire/entries.py, ENTRY_COLUMNS); target_consumer, before them, names the one
 -- consumer a snapshot's row is for (NULL: every consumer).
 WITH horizon AS MATERIALIZED (
-    SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmin(s) < pg_snapshot_xmax(s) AS held_back
+    SELECT pg_snapshot_xmin(s) AS xmin,
+           pg_snapshot_xmin(s) < pg_snapshot_xmax(s)
+           AND (SELECT max(w.txid) FROM sync.events_outbox w) >= pg_snapshot_xmin(s) AS held_back
     FROM pg_current_snapshot() AS s
 )
 SELECT h.held_back, b.txid::text, b.target_consumer, b.seq, b.op, b.entity_type, b.entity_id,

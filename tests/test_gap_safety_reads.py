@@ -11,6 +11,7 @@ and make the timing assertions meaningless.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import psycopg
 import pytest
@@ -23,7 +24,7 @@ from consumer.store.admin import plan_reset
 from consumer.store.outbox import OutboxStore
 from consumer.store.queries import query
 from tests.conftest import fetch_all, fetch_value, wait_until, waiting_for_notify
-from tests.support.backend import CONSUMER, insert_call, outbox_in_delivery_order
+from tests.support.backend import CONSUMER, insert_call, insert_calls, outbox_in_delivery_order
 from tests.support.runtime import RecordingSink, listener_of, parked, running_runtime
 
 # -- a naive `seq > last_seq` reader skips; ours does not ---------------------------------------
@@ -134,6 +135,70 @@ async def test_lower_seq_delivered_after_higher_seq_is_not_skipped(
 
 
 # -- the held-back horizon ----------------------------------------------------------------------
+
+
+async def test_held_back_only_when_committed_events_wait_behind_the_horizon(
+    private_backend_dsn: str, private_cluster: PrivateCluster
+) -> None:
+    """A transaction that is merely open holds nothing back: re-reading then would only cost
+    reads (a producer's commit notifies). Only committed events behind it make a read say
+    held_back, and the consumer re-checks soon."""
+    blocker = await psycopg.AsyncConnection.connect(private_cluster.dsn)
+    writer = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    async with blocker, writer, open_pool(private_backend_dsn, "test-read") as pool:
+        store = OutboxStore(pool)
+        # An xid in another database of the cluster, and an outbox row not yet committed.
+        await blocker.execute("SELECT pg_current_xact_id()")
+        await writer.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) VALUES ('open', '0')"
+        )
+        idle = await store.read_batch(Position.start(), 100)
+        assert idle.batch is None
+        assert idle.held_back is False
+        # Committed behind the blocker's horizon: now something waits.
+        await writer.commit()
+        waiting = await store.read_batch(Position.start(), 100)
+        assert waiting.batch is None
+        assert waiting.held_back is True
+        await blocker.rollback()
+        batch = await read_when_ready(store, Position.start())
+        assert [e["payload"]["caller_number"] for e in batch.entries()] == ["open"]
+        after = await store.read_batch(batch.end, 100)
+        assert (after.batch, after.held_back) == (None, False)
+
+
+def _scans_of(plan: dict[str, Any], relation: str) -> list[str]:
+    """The node types of every scan of `relation` in an EXPLAIN (FORMAT JSON) plan tree."""
+    found = [plan["Node Type"]] if plan.get("Relation Name") == relation else []
+    for child in plan.get("Plans", []):
+        found += _scans_of(child, relation)
+    return found
+
+
+async def test_the_held_back_probe_reads_the_index_not_the_outbox(
+    private_backend_dsn: str, private_cluster: PrivateCluster
+) -> None:
+    """Whether committed events wait behind the horizon is asked on every read while any
+    transaction is open: it must cost a few index entries at any outbox size, never a scan of
+    the outbox (which an EXISTS over `txid >= xmin` was planned as)."""
+    await insert_calls(private_backend_dsn, 5000)
+    async with await psycopg.AsyncConnection.connect(private_backend_dsn, autocommit=True) as conn:
+        await conn.execute("ANALYZE sync.events_outbox")
+    blocker = await psycopg.AsyncConnection.connect(private_cluster.dsn)
+    async with blocker:
+        await blocker.execute("SELECT pg_current_xact_id()")
+        await insert_call(private_backend_dsn, "behind")
+        rows = await fetch_all(
+            private_backend_dsn,
+            sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + sql.SQL(query("read_batch")),
+            {"txid": "0", "seq": 0, "limit": 100, "consumer": CONSUMER},
+        )
+        await blocker.rollback()
+    plan = rows[0][0][0]["Plan"]
+    scans = _scans_of(plan, "events_outbox")
+    assert "Seq Scan" not in scans, scans
+    # The probe ran (a transaction was open) and found the committed event behind it.
+    assert len(scans) == 2, scans
 
 
 @pytest.mark.parametrize("blocker", ["xid-other-database", "write-untracked-table"])

@@ -41,6 +41,14 @@ def test_backoff_doubles_from_initial_up_to_the_cap() -> None:
     assert backoff.attempts == 6
 
 
+def test_backoff_tells_the_upcoming_delay_without_counting_an_attempt() -> None:
+    backoff = Backoff(1.0, 8.0, jitter=0.5)
+    assert [backoff.upcoming(), backoff.upcoming()] == [1.0, 1.0]
+    assert backoff.attempts == 0
+    backoff.next_delay()
+    assert (backoff.upcoming(), backoff.attempts) == (2.0, 1)
+
+
 def test_backoff_stays_at_the_cap_after_very_many_failures() -> None:
     backoff = Backoff(0.2, 10.0, jitter=0)
     for _ in range(5000):

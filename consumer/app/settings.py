@@ -123,7 +123,8 @@ class SyncSettings(_Base):
     # LISTEN for wake-ups; off, the consumer relies on the poll timer alone (e.g. behind a
     # transaction-pooling PgBouncer, where LISTEN does not work).
     listen: bool = Field(True, validation_alias="SYNC_LISTEN")
-    # While an older open transaction holds the read horizon back, re-check this often.
+    # While committed events wait behind an older open transaction, re-read soon (1 ms) and
+    # back off to at most this long between re-reads.
     recheck_interval_ms: int = Field(
         100, ge=5, le=5000, validation_alias="SYNC_RECHECK_INTERVAL_MS"
     )
@@ -169,7 +170,8 @@ class SyncSettings(_Base):
     upload_concurrency: int = Field(4, ge=1, le=64, validation_alias="SYNC_UPLOAD_CONCURRENCY")
     # frontend-sync: batches delivered at once while a backlog drains (offsets move in order).
     max_in_flight: int = Field(2, ge=1, le=16, validation_alias="SYNC_MAX_IN_FLIGHT")
-    # Read the next batch while the last full one is being delivered.
+    # Read the next batch while the last full one is being delivered, and while a short one's
+    # offset commits.
     read_ahead: bool = Field(True, validation_alias="SYNC_READ_AHEAD")
     # Consumers an operator declares (consumer/app/declared.py): `serversync run NAME` finds NAME
     # there when it is no built-in one. Read when a consumer is resolved, checked whole.

@@ -22,9 +22,13 @@ class Backoff:
         self.jitter = jitter
         self.attempts = 0
 
+    def upcoming(self) -> float:
+        """The next delay before its jitter, without counting an attempt."""
+        return float(min(self.maximum, self.initial * (2 ** min(self.attempts, 62))))
+
     def next_delay(self) -> float:
         """Record a failure and return how long to wait before the next try."""
-        base = min(self.maximum, self.initial * (2 ** min(self.attempts, 62)))
+        base = self.upcoming()
         self.attempts += 1
         delay: float = base * (1 + random.uniform(-self.jitter, self.jitter))
         return max(0.0, delay)

@@ -18,7 +18,8 @@ class RuntimeConfig:
     batch_size: int
     # How long an idle consumer sleeps without a NOTIFY before it reads anyway.
     poll_interval: float
-    # While an older open transaction holds the read horizon back, read again this often.
+    # While committed events wait behind an older open transaction, the longest wait between
+    # re-reads (the first comes after 1 ms; pipeline.py).
     recheck_interval: float
     # How often a standby tries to take over, and how often the leader checks its lock.
     standby_interval: float
@@ -35,7 +36,8 @@ class RuntimeConfig:
     dlq_max_retries: int
     # Batches being delivered at once while a backlog drains; offsets still move in order.
     max_in_flight: int
-    # After a full read, read the next batch while this one is delivered.
+    # After a full read, read the next batch while this one is delivered; after a short one,
+    # while its offset commits.
     read_ahead: bool
     # While events arrive at batch_wait_min_rate per second or faster, wait batch_wait after a
     # short batch before reading again (consumer/runtime/pacing.py); 0 never waits.

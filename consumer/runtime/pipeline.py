@@ -3,7 +3,8 @@
 While a backlog drains, the next batch is read while earlier ones are delivered (read-ahead),
 and up to `max_in_flight` batches are delivered at once; their offsets are committed strictly in
 order, so the stored position never passes an unsettled batch. A short batch ends the read-ahead:
-everything in flight is settled before reading again. While events arrive fast, the loop then
+everything in flight is settled before reading again, and that read goes out together with the
+last offset commit. While events arrive fast, the loop then
 waits `batch_wait` before that read, so that they gather into fewer, bigger batches (ReadPacer).
 When reads come back empty, the waiting flag (consumer/runtime/waiting.py) asks for a NOTIFY.
 """
@@ -16,6 +17,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
@@ -23,6 +25,7 @@ from opentelemetry import trace
 
 from consumer.core.events import Batch, Outcome, Position
 from consumer.observability import instruments
+from consumer.runtime.backoff import Backoff
 from consumer.runtime.config import RuntimeConfig
 from consumer.runtime.pacing import ReadPacer
 from consumer.runtime.settle import Settled, Settler
@@ -33,6 +36,16 @@ from consumer.runtime.wakeup import NotifyListener
 from consumer.store.outbox import FencedError, OutboxStore, ReadResult
 
 log = logging.getLogger("serversync.runtime")
+
+# The first re-check after a read found committed events held back behind an older open
+# transaction: most such transactions are a producer's or an application's single statement and
+# end within a few milliseconds. Later re-checks double up to SYNC_RECHECK_INTERVAL_MS, so a
+# long transaction costs a handful of reads, not one per millisecond.
+FIRST_RECHECK_SEC = 0.001
+# Re-checks this soon are made without lingering or announcing a wait first: events are known
+# to be ready within milliseconds, and asking producers for NOTIFYs for so short a wait would
+# cost them more than it could bring. Longer waits go through the waiting flag as any other.
+QUIET_RECHECK_SEC = 0.008
 
 
 @dataclass
@@ -77,6 +90,9 @@ class Pipeline:
         self.waiting = WaitingFlag(consumer, store, steps, listener, linger=config.linger)
         # Without a listener nothing sets it: the loop wakes on its timers alone.
         self.wakeup = listener.event if listener is not None else asyncio.Event()
+        self._recheck = Backoff(
+            min(FIRST_RECHECK_SEC, config.recheck_interval), config.recheck_interval, jitter=0
+        )
         self._labels = {"consumer": consumer}
 
     async def drain(self, position: Position) -> None:
@@ -93,12 +109,16 @@ class Pipeline:
                 self.waiting.resync()
                 result = await self._next_read(prefetch, position, limit)
                 prefetch = None
+                if not result.held_back:
+                    self._recheck.reset()
                 batch = result.batch
                 if batch is None:
                     if in_flight:
                         # A read-ahead found nothing new: settle what is out, then look again.
                         if not await self._finish_all(in_flight):
                             return
+                    elif result.held_back and self._recheck.upcoming() <= QUIET_RECHECK_SEC:
+                        await self._sleep(held_back=True)
                     elif not await self.waiting.read_again():
                         await self._sleep(held_back=result.held_back)
                     continue
@@ -111,10 +131,23 @@ class Pipeline:
                     while len(in_flight) >= window:
                         if not await self._finish(in_flight.popleft()):
                             return
-                elif not await self._finish_all(in_flight):
-                    return
                 elif pause := pacer.pause():
+                    if not await self._finish_all(in_flight):
+                        return
                     await self._paced_wait(pause)
+                else:
+
+                    def read_next(after: Position = position) -> None:
+                        # The next read goes out with the last offset commit, not after it:
+                        # it needs only the batch's end, and an event that arrived meanwhile
+                        # is a round trip sooner at the receiver.
+                        nonlocal prefetch
+                        self.wakeup.clear()
+                        prefetch = asyncio.create_task(self._read(after, limit))
+
+                    ahead = read_next if self.config.read_ahead else None
+                    if not await self._finish_all(in_flight, before_last_commit=ahead):
+                        return
             # Stopping: the batches still out had the same grace as the one just settled
             # (Settler._deliver_once); commit those that were answered, so they are not sent
             # again.
@@ -145,9 +178,10 @@ class Pipeline:
         return await self.store.read_batch(position, limit, **self._read_options)
 
     async def _sleep(self, *, held_back: bool) -> None:
-        """Nothing to read: sleep until a NOTIFY, the poll timer or, while an older open
-        transaction holds the horizon back, the re-check timer."""
-        timeout = self.config.recheck_interval if held_back else self.config.poll_interval
+        """Nothing to read: sleep until a NOTIFY, the poll timer or, while committed events wait
+        behind an older open transaction, the re-check timer (soon at first, then backing off to
+        the re-check interval)."""
+        timeout = self._recheck.next_delay() if held_back else self.config.poll_interval
         reason = await wait_for_work(
             self.steps, self.stats, self.wakeup, timeout, held_back=held_back
         )
@@ -181,14 +215,24 @@ class Pipeline:
         task = asyncio.create_task(settle(), name=f"deliver:{self.consumer}:{batch.seq_range}")
         return _InFlight(batch, span, time.monotonic(), task)
 
-    async def _finish_all(self, in_flight: collections.deque[_InFlight]) -> bool:
-        """Settle and commit everything in flight, oldest first; False if stopped first."""
+    async def _finish_all(
+        self,
+        in_flight: collections.deque[_InFlight],
+        *,
+        before_last_commit: Callable[[], None] | None = None,
+    ) -> bool:
+        """Settle and commit everything in flight, oldest first; False if stopped first.
+        `before_last_commit` runs once the last batch has settled, just before its commit."""
         while in_flight:
-            if not await self._finish(in_flight.popleft()):
+            delivery = in_flight.popleft()
+            last = before_last_commit if not in_flight else None
+            if not await self._finish(delivery, before_commit=last):
                 return False
         return True
 
-    async def _finish(self, delivery: _InFlight) -> bool:
+    async def _finish(
+        self, delivery: _InFlight, *, before_commit: Callable[[], None] | None = None
+    ) -> bool:
         """Wait for the oldest batch in flight to settle, then commit it (parking what could not
         be delivered). False if stopped before the batch was settled: it is delivered again
         later, and so is everything after it."""
@@ -199,6 +243,8 @@ class Pipeline:
                 if settled is None:
                     span.set_attribute("serversync.outcome", Outcome.ABANDONED.value)
                     return False
+                if before_commit is not None:
+                    before_commit()
                 await self._commit(delivery.batch, settled)
                 self._report(delivery, settled)
         finally:
