@@ -1,6 +1,6 @@
-"""`python -m bench [drain|latency|producer|snapshot|all] [--quick]`,
-`python -m bench instructions`, `python -m bench compare A B` and
-`python -m bench render RESULT.json`."""
+"""`python -m bench [drain|latency|producer|snapshot|mechanisms|all] [--quick]`,
+`python -m bench scale [--quick]`, `python -m bench instructions`,
+`python -m bench compare A B` and `python -m bench render RESULT.json`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import drain, instructions, latency, producer, receivers, report, snapshot
+from bench import (
+    drain,
+    instructions,
+    latency,
+    mechanisms,
+    producer,
+    receivers,
+    report,
+    scale,
+    snapshot,
+)
 from bench.harness import bench_server, execute, fresh_databases, machine, produce_calls, progress
 
 
@@ -36,10 +46,21 @@ def _rates(value: str) -> tuple[float, ...]:
     return rates
 
 
+def _mechanism_names(value: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in value.split(",") if part.strip())
+    unknown = [name for name in names if name not in mechanisms.MECHANISMS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mechanism(s) {', '.join(unknown) or value!r}"
+            f" (known: {', '.join(mechanisms.MECHANISMS)})"
+        )
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("drain", "latency", "producer", "snapshot", "all"):
+    for name in ("drain", "latency", "producer", "snapshot", "mechanisms", "all"):
         p = sub.add_parser(name, help=f"run the {name} benchmark" if name != "all" else "run all")
         p.add_argument("--quick", action="store_true", help="small sizes: a smoke run (< 2 min)")
         p.add_argument("--events", type=int, help="drain backlog size (default 1,000,000)")
@@ -87,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
             help="drain: also drain a settings-like table's backlog of --events into these"
             " receivers, e.g. generic,mapped (the table-mapping receiver beside the generic one)",
         )
+        p.add_argument(
+            "--mechanisms",
+            type=_mechanism_names,
+            default=tuple(mechanisms.MECHANISMS),
+            help="mechanisms: which to measure on and off (default all:"
+            f" {','.join(mechanisms.MECHANISMS)}); `all --quick` leaves them out",
+        )
         p.add_argument("--name", help="result file name (default: timestamp)")
         p.add_argument(
             "--out",
@@ -104,6 +132,11 @@ def _parser() -> argparse.ArgumentParser:
             action="store_true",
             help="keep the processes' logs after a run that succeeded (a failed run keeps them)",
         )
+    scale.add_arguments(
+        sub.add_parser(
+            "scale", help="how a drain's cost grows with the backlog, consumers, payload, tables"
+        )
+    )
     p = sub.add_parser(
         "instructions",
         help="count with callgrind the instructions the relay adds to a single-row statement",
@@ -222,6 +255,18 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             # figures were measured without.
             result["drain"]["receivers"] = await receivers.compare(
                 env, events, args.batch_size, rounds, args.receivers
+            )
+        # Not in a quick `all`: six runs of drain, latency and producers per round would take
+        # longer than the smoke run's two minutes.
+        if args.command == "mechanisms" or (args.command == "all" and not quick):
+            # After the drain and the producers: it adds a backlog of its own to the outbox.
+            result["mechanisms"] = await mechanisms.run_mechanisms(
+                env,
+                events=args.events or (30_000 if quick else 200_000),
+                batch_size=args.batch_size,
+                seconds=args.seconds or (3.0 if quick else 5.0),
+                rounds=rounds,
+                mechanisms=args.mechanisms,
             )
         if args.command in ("snapshot", "all"):
             # Last: it empties the outbox before each of its measurements.
@@ -364,8 +409,12 @@ def _summary(result: dict[str, Any]) -> str:
                     for kind in producer.KINDS
                 )
             )
+    if "mechanisms" in result:
+        lines.extend(mechanisms.summary(result["mechanisms"]))
     if "snapshot" in result:
         lines.extend(_snapshot_summary(result["snapshot"]))
+    if "scale" in result:
+        lines.extend(_scale_summary(result["scale"]))
     for key, check in result.get("targets", {}).items():
         mark = "ok  " if check["met"] else "MISS"
         lines.append(f"[{mark}] {key}: {check['measured']} (target {check['target']})")
@@ -418,6 +467,82 @@ def _receivers_summary(r: dict[str, Any]) -> list[str]:
             )
     if "ratios" in r:
         lines.append("  mapped / generic: " + ", ".join(f"{k} {v}" for k, v in r["ratios"].items()))
+    return lines
+
+
+def _scale_point(label: str, point: dict[str, Any], unit: str = "") -> list[str]:
+    """One point of a scale curve: the in-database reference, the null sink and HTTP, with the
+    consumer's and PostgreSQL's CPU per event (and MB/s with a payload size)."""
+    line = f"  {label:>14}  in-database {point['in_database']['events_per_sec']:>9,.0f}/s"
+    for sink in ("null", "http"):
+        f = point[sink]
+        line += f"  {sink} {f['events_per_sec']:>9,.0f}/s"
+        if unit:
+            line += f" {f[unit]:,.1f} MB/s"
+        if f["consumer_cpu_us_per_event"] is not None:
+            line += f" (CPU us/event: consumer {f['consumer_cpu_us_per_event']},"
+            line += f" pg {f['postgres_cpu_us_per_event']})"
+    return [line]
+
+
+def _scale_summary(s: dict[str, Any]) -> list[str]:
+    """Each scale curve: its points, and the ratio of its last point to its first."""
+    lines = []
+    if "backlog" in s:
+        b = s["backlog"]
+        lines.append(f"scale, backlog: drains of the outbox's first {b['window']:,} events:")
+        for p in b["points"]:
+            lines.extend(_scale_point(f"{p['backlog']:,} events", p))
+            timed = p.get("status_and_cleanup") or {}
+            if "status" in timed:
+                lines.append(
+                    f"  {'':>14}  serversync status {timed['status']['report_ms']} ms, cleanup"
+                    f" --older-than 30d {timed['cleanup']['seconds']} s (bench/outbox_scale.py)"
+                )
+            elif "error" in timed:
+                lines.append(f"  {'':>14}  status and cleanup failed: {timed['error']}")
+        lines.append(
+            "  largest / smallest: " + ", ".join(f"{k} {v}" for k, v in b["ratios"].items())
+        )
+        if "status_and_cleanup" in b:
+            lines.append(f"  status and cleanup {b['status_and_cleanup']}")
+    if "consumers" in s:
+        c = s["consumers"]
+        lines.append(
+            f"scale, consumers reading the same {c['events_per_consumer']:,} events at once"
+            f" ({c['sink']} sink, {c['cpus']} CPUs):"
+        )
+        for p in c["points"]:
+            cpu = p["cpu_us_per_event"]
+            slowest, fastest = (
+                p["slowest_consumer_events_per_sec"],
+                p["fastest_consumer_events_per_sec"],
+            )
+            lines.append(
+                f"  {p['consumers']:>3} together {p['events_per_sec']:>10,.0f} events/s (each"
+                f" {slowest:,.0f}..{fastest:,.0f}),"
+                f" CPU us/event: consumers {cpu.get('consumers')}, pg"
+                f" {cpu.get('postgres backend')}; machine {p['machine_busy_share']:.0%} busy"
+                + (" (CPU-bound)" if p["cpu_bound"] else "")
+            )
+        lines.append(
+            "  together / one: "
+            + ", ".join(f"{k} {v}" for k, v in c["ratios"].items())
+            + "; events per CPU second / one's: "
+            + ", ".join(f"{k} {v}" for k, v in c["cpu_efficiency"].items())
+        )
+    if "payload" in s:
+        lines.append("scale, payload size:")
+        for p in s["payload"]["points"]:
+            lines.extend(_scale_point(f"{p['bytes_per_event']:,.0f} B/event", p, "mb_per_sec"))
+    if "tables" in s:
+        t = s["tables"]
+        lines.append(f"scale, {t['events']:,} events across tracked tables:")
+        for p in t["points"]:
+            lines.extend(_scale_point(f"{p['tables']} tables", p))
+        lines.append(
+            "  most / fewest tables: " + ", ".join(f"{k} {v}" for k, v in t["ratios"].items())
+        )
     return lines
 
 
@@ -485,6 +610,10 @@ def main() -> int:
         except RuntimeError as exc:
             print(f"python -m bench render: {exc}", file=sys.stderr)
             return 2
+        return 0
+    if args.command == "scale":
+        result = asyncio.run(scale.run(args))
+        print(_summary(result))
         return 0
     if args.command == "instructions":
         try:

@@ -13,11 +13,13 @@ import asyncio
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from bench.harness import (
@@ -55,8 +57,19 @@ def _figures(events: int, seconds: float, cpu: dict[str, float]) -> dict[str, An
     }
 
 
-async def in_database_ceiling(env: BenchEnv) -> dict[str, Any]:
-    """Reference (a): the whole outbox into a receiver-shaped table in one statement."""
+def _window_source(window: int | None) -> sql.Composable:
+    """What a drain reads: the whole outbox, or its first `window` events in delivery order (a
+    drain of the start of a backlog too large to drain whole)."""
+    if window is None:
+        return sql.SQL("sync.events_outbox")
+    return sql.SQL("(SELECT * FROM sync.events_outbox ORDER BY txid, seq LIMIT {}) AS w").format(
+        sql.Literal(window)
+    )
+
+
+async def in_database_ceiling(env: BenchEnv, window: int | None = None) -> dict[str, Any]:
+    """Reference (a): the whole outbox (or its first `window` events) into a receiver-shaped
+    table in one statement."""
     await execute(env.backend, "DROP TABLE IF EXISTS bench_ref_entities")
     await execute(
         env.backend,
@@ -70,12 +83,15 @@ async def in_database_ceiling(env: BenchEnv) -> dict[str, Any]:
         await meter.mark()
         started = time.perf_counter()
         cur = await work.execute(
-            "WITH applied AS (INSERT INTO bench_ref_entities AS t SELECT entity_type, entity_id,"
-            " seq, op = 'delete', payload, created_at, now() FROM sync.events_outbox"
-            " ON CONFLICT (entity_type, entity_id) DO UPDATE SET seq = EXCLUDED.seq,"
-            " deleted = EXCLUDED.deleted, payload = EXCLUDED.payload,"
-            " source_created_at = EXCLUDED.source_created_at, applied_at = EXCLUDED.applied_at"
-            " WHERE t.seq < EXCLUDED.seq RETURNING 1) SELECT count(*) FROM applied",
+            sql.SQL(
+                "WITH applied AS (INSERT INTO bench_ref_entities AS t SELECT entity_type,"
+                " entity_id, seq, op = 'delete', payload, created_at, now() FROM {}"
+                " ON CONFLICT (entity_type, entity_id) DO UPDATE SET seq = EXCLUDED.seq,"
+                " deleted = EXCLUDED.deleted, payload = EXCLUDED.payload,"
+                " source_created_at = EXCLUDED.source_created_at,"
+                " applied_at = EXCLUDED.applied_at"
+                " WHERE t.seq < EXCLUDED.seq RETURNING 1) SELECT count(*) FROM applied"
+            ).format(_window_source(window))
         )
         seconds = time.perf_counter() - started
         row = await cur.fetchone()
@@ -189,9 +205,13 @@ async def product(
     sink: str,
     timeout: float,
     side: ReceiverSide | None = None,
+    *,
+    window: int | None = None,
+    consumer_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """`serversync run frontend-sync` draining the whole outbox (through HTTP into `side`,
-    by default the generic receiver, or into a null sink)."""
+    by default the generic receiver, or into a null sink); with `window`, until it has passed
+    the outbox's first `window` events (it goes on until it is stopped just after)."""
     side = side or ReceiverSide("generic", env.frontend)
     for statement in side.reset:
         await execute(side.dsn, statement)
@@ -201,8 +221,18 @@ async def product(
         " ON CONFLICT (consumer) DO UPDATE SET last_txid = '0', last_seq = 0,"
         " delivered_total = 0",
     )
-    end = await outbox_end(env.backend)
-    total = (await execute(env.backend, "SELECT count(*) FROM sync.events_outbox"))[0][0]
+    if window is None:
+        end = await outbox_end(env.backend)
+        total = (await execute(env.backend, "SELECT count(*) FROM sync.events_outbox"))[0][0]
+    else:
+        last = await execute(
+            env.backend,
+            "SELECT txid::text, seq FROM sync.events_outbox ORDER BY txid, seq OFFSET %s LIMIT 1",
+            (window - 1,),
+        )
+        if not last:
+            raise ValueError(f"the outbox holds fewer than {window:,} events")
+        end, total = Position(int(last[0][0]), last[0][1]), window
     # One connection for all the polling: a connection per poll would cost the server a
     # backend start every 20 ms, on the cores the product runs on.
     monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
@@ -217,6 +247,8 @@ async def product(
                 "FRONTEND_BASE_URL": url,
                 "SYNC_BATCH_SIZE": str(batch_size),
                 "SYNC_LOG_LEVEL": "WARNING",
+                # Settings under comparison (bench/mechanisms.py).
+                **(consumer_env or {}),
             },
             env.workdir / f"consumer-{sink}-{side.name}.log",
         )
@@ -272,10 +304,13 @@ async def product(
         distinct = (
             await execute(
                 env.backend,
-                "SELECT count(DISTINCT (entity_type, entity_id)) FROM sync.events_outbox",
+                sql.SQL("SELECT count(DISTINCT (entity_type, entity_id)) FROM {}").format(
+                    _window_source(window)
+                ),
             )
         )[0][0]
-        if applied != distinct:
+        # Past a window the consumer went on delivering until it was stopped.
+        if (applied != distinct) if window is None else (applied < distinct):
             raise RuntimeError(
                 f"the {side.name} receiver holds {applied} entities, expected {distinct}"
             )

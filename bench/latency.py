@@ -27,7 +27,7 @@ import functools
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,9 +75,16 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 async def run_latency(
-    env: BenchEnv, *, rate: float, seconds: float, listen: bool, poll_interval: float
+    env: BenchEnv,
+    *,
+    rate: float,
+    seconds: float,
+    listen: bool,
+    poll_interval: float,
+    consumer_env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Commit `rate` single-event transactions per second for `seconds`; measure arrival."""
+    """Commit `rate` single-event transactions per second for `seconds`; measure arrival
+    (the consumer with `consumer_env` added to its settings)."""
     await _start_at_outbox_end(env)
     mode = "notify" if listen else "poll-only"
     async with ingest_server(env) as (url, receiver):
@@ -90,6 +97,7 @@ async def run_latency(
                 "SYNC_LISTEN": "true" if listen else "false",
                 "SYNC_POLL_INTERVAL_SEC": str(poll_interval),
                 "SYNC_LOG_LEVEL": "WARNING",
+                **(consumer_env or {}),
             },
             env.workdir / f"consumer-latency-{mode}.log",
         )

@@ -169,6 +169,7 @@ def _pgbench(env: BenchEnv, mode: Mode, seconds: int, clients: int) -> tuple[flo
         str(clients),
         "-j",
         "2",
+        *(["-R", str(mode.rate)] if mode.rate else []),
         "-f",
         f"{insert}@1",
         "-f",
@@ -223,6 +224,8 @@ class Mode:
     # A PgQ mode: None, or what runs beside pgbench: PgQ's ticker alone ("ticker"), or the
     # ticker and a consumer of the queue's batches ("consumer").
     pgq: str | None = None
+    # None: as fast as the connections go; else pgbench's -R, transactions per second in all.
+    rate: int | None = None
 
 
 PACING_OFF = {"SYNC_BATCH_WAIT_MS": "0"}
@@ -299,7 +302,7 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _run_mode(
+async def run_mode(
     env: BenchEnv, mode: Mode, seconds: int, clients: int, round_: int
 ) -> tuple[float, dict[str, float]]:
     """tps of one run of `mode`, and the machine's CPU microseconds per transaction: PostgreSQL
@@ -475,7 +478,7 @@ async def run_producer(
             for mode in block:
                 if mode.pgq is not None and pgq_missing is not None:
                     continue
-                tps, cpu = await _run_mode(env, mode, seconds, clients, round_)
+                tps, cpu = await run_mode(env, mode, seconds, clients, round_)
                 runs.setdefault(mode.name, []).append(round(tps, 1))
                 cpu_runs.setdefault(mode.name, []).append(cpu)
         if block[0].durable:

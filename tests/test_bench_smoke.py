@@ -594,3 +594,46 @@ def test_bench_latency_compares_serversync_with_the_naive_relay(tmp_path: Path) 
         mark = "ok  " if check["met"] else "MISS"
         assert f"[{mark}] {name}: {check['measured']}" in out, name
     assert (tmp_path / "naive.png").stat().st_size > 1000
+
+
+def test_bench_mechanisms_judges_each_setting_on_against_off(tmp_path: Path) -> None:
+    result = _bench(
+        *("mechanisms", "--quick", "--events", "2000", "--seconds", "1", "--rounds", "2"),
+        *("--mechanisms", "linger", "--name", "mechanisms", "--out", str(tmp_path)),
+    )
+    figures = orjson.loads((tmp_path / "mechanisms.json").read_bytes())
+    m = figures["mechanisms"]
+    assert (m["rounds"], m["events"], m["keep_gain"]) == (2, 2000, 1.05)
+    assert list(m["mechanisms"]) == ["linger"]
+    linger = m["mechanisms"]["linger"]
+    assert (linger["setting"], linger["off"], linger["on"]) == ("SYNC_LINGER_MS", "0", "5")
+    for state in ("off", "on"):
+        runs = linger["runs"][state]
+        assert len(runs) == 2, state
+        for key, median in linger["medians"][state].items():
+            # Rounded to 3 places.
+            expected = statistics.median(run[key] for run in runs)
+            assert median == pytest.approx(expected, abs=0.001), key
+        medians = linger["medians"][state]
+        assert medians["drain_events_per_sec"] > 0
+        assert 0 < medians["latency_p50_ms_at_200"] <= medians["latency_p99_ms_at_200"]
+        assert medians["producer_tps"] > 0 and medians["producer_paced_tps"] > 0
+        assert medians["producer_paced_notifies_per_1000_tx"] >= 0
+    # Each judged figure's gain is on/off for rates, off/on for latencies and costs; the
+    # verdict rests on the best of them.
+    off, on, gains = linger["medians"]["off"], linger["medians"]["on"], linger["gains"]
+    assert gains["drain_events_per_sec"] == pytest.approx(
+        on["drain_events_per_sec"] / off["drain_events_per_sec"], rel=0.01
+    )
+    assert gains["latency_p50_ms_at_1000"] == pytest.approx(
+        off["latency_p50_ms_at_1000"] / on["latency_p50_ms_at_1000"], rel=0.01
+    )
+    assert "latency_p99_ms_at_1000" not in gains  # reported, not judged
+    best = max(gains.values())
+    assert linger["best_gain"]["gain"] == best
+    assert linger["pays_for_itself"] is (best >= 1.05)
+    check = figures["targets"]["mechanism_pays_for_itself_linger"]
+    assert check["met"] is linger["pays_for_itself"]
+    mark = "ok  " if check["met"] else "MISS"
+    assert f"[{mark}] mechanism_pays_for_itself_linger: {check['measured']}" in result.stdout
+    assert (tmp_path / "mechanisms.png").stat().st_size > 1000
