@@ -282,6 +282,72 @@ async def test_the_same_entity_twice_in_one_batch_keeps_the_newer_entry(
     assert await stored(receiver_dsn, "r") == (31, True, None)
 
 
+async def test_one_batch_applies_only_what_is_newer_than_each_stored_entity(
+    receiver_dsn: str, receiver_url: str
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        before = {
+            "entries": [
+                entry("x", 10, payload={"v": "x10"}),
+                entry("y", 5, "delete"),
+                entry("s", 3, payload={"v": "s3"}),
+            ]
+        }
+        assert (await post(session, receiver_url, before))[1]["applied"] == 3
+        # One entry per entity, in no key order, against those rows: an equal seq, an upsert
+        # older than a tombstone, a newer one, the same id under another type, a new entity and
+        # the delete of one never seen.
+        body = {
+            "entries": [
+                entry("x", 10, payload={"v": "x10 again"}),
+                entry("z", 1, payload={"v": "z1"}),
+                entry("y", 4, payload={"v": "y4"}),
+                entry("s", 1, payload={"v": "s1"}, entity_type="registered_number"),
+                entry("w", 2, "delete"),
+                entry("s", 4, payload={"v": "s4"}),
+            ]
+        }
+        status, reply = await post(session, receiver_url, body)
+        assert (status, reply) == (200, {"ok": True, "received": 6, "applied": 4, "stale": 2})
+        after = await snapshot(receiver_dsn)
+        assert [(r[0], r[1], r[2], r[3], r[4]) for r in after] == [
+            ("call_log", "s", 4, False, {"v": "s4"}),
+            ("call_log", "w", 2, True, None),
+            ("call_log", "x", 10, False, {"v": "x10"}),
+            ("call_log", "y", 5, True, None),
+            ("call_log", "z", 1, False, {"v": "z1"}),
+            ("registered_number", "s", 1, False, {"v": "s1"}),
+        ]
+        # Delivered again: every entry is stale, and nothing is rewritten (applied_at included).
+        status, reply = await post(session, receiver_url, body)
+        assert (status, reply) == (200, {"ok": True, "received": 6, "applied": 0, "stale": 6})
+    assert await snapshot(receiver_dsn) == after
+
+
+async def test_requests_in_flight_sharing_entities_in_opposite_orders_both_apply(
+    receiver_dsn: str, receiver_url: str
+) -> None:
+    # Two batches in flight at once with the same entities, one in the other's reverse order:
+    # written in their body's order, each would lock rows the other waits for (a deadlock,
+    # answered 503). Each request writes its rows in key order, so the second waits instead.
+    ids = [f"k{i:03d}" for i in range(300)]
+    async with aiohttp.ClientSession() as session:
+        for round_ in range(3):
+            base = round_ * 1000
+            older = {"entries": [entry(i, base + n + 1) for n, i in enumerate(ids)]}
+            newer = {"entries": [entry(i, base + 500 + n) for n, i in enumerate(reversed(ids))]}
+            answers = await asyncio.gather(
+                post(session, receiver_url, older), post(session, receiver_url, newer)
+            )
+            assert [status for status, _ in answers] == [200, 200], answers
+            # The newer batch applies every entry whichever commits first.
+            assert answers[1][1]["applied"] == len(ids)
+    rows = await fetch_all(
+        receiver_dsn, "SELECT entity_id, seq FROM ingest.entities ORDER BY entity_id"
+    )
+    assert rows == [(i, 2000 + 500 + n) for n, i in enumerate(reversed(ids))][::-1]
+
+
 # -- validation ----------------------------------------------------------------------------------
 
 
