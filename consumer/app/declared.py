@@ -2,6 +2,7 @@
 
     [consumers.settings-sync]
     sink = "json"                  # json (POST /api/ingest/sync) | recording-upload | null
+                                   # | jetstream (its own keys: jetstream_kind.py)
     url = "http://backend-host:8080"
     secret_env = "SETTINGS_SYNC_SECRET"    # or secret_file = "/etc/serversync/settings.secret"
     entity_types = ["registered_number", "routing_rule"]
@@ -25,11 +26,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
+from consumer.app.jetstream_kind import JetStreamConsumer
 from consumer.app.settings import CONSUMER_NAME, ConfigError, parse_secrets
 
-__all__ = ["ConsumersFile", "DeclaredConsumer", "load"]
+__all__ = ["ConsumersFile", "Declaration", "DeclaredConsumer", "JetStreamConsumer", "load"]
 
-SinkName = Literal["json", "recording-upload", "null"]
+# A table of sink "jetstream" is checked by JetStreamConsumer (load); it is named here too, so
+# the message for a sink that does not exist lists every one.
+SinkName = Literal["json", "recording-upload", "null", "jetstream"]
 # An environment variable's name, as a shell and systemd's EnvironmentFile take it.
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
@@ -107,7 +111,12 @@ class ConsumersFile(BaseModel):
     consumers: dict[str, DeclaredConsumer] = Field(default_factory=dict)
 
 
-def load(path: Path) -> dict[str, DeclaredConsumer]:
+# A consumer of sink "jetstream" has keys of its own (servers, stream, ...): its table is
+# checked by JetStreamConsumer instead.
+Declaration = DeclaredConsumer | JetStreamConsumer
+
+
+def load(path: Path) -> dict[str, Declaration]:
     """The consumers `path` declares, by name, checked; a ConfigError of one line otherwise."""
     where = f"SYNC_CONSUMERS_FILE ({path})"
     try:
@@ -126,17 +135,33 @@ def load(path: Path) -> dict[str, DeclaredConsumer]:
                     f"{where}: consumer name {name!r} does not match {CONSUMER_NAME} "
                     "(lower-case letters, digits, '-' and '_', starting with a letter)"
                 )
+        jetstream = {
+            name: table
+            for name, table in consumers.items()
+            if isinstance(table, dict) and table.get("sink") == "jetstream"
+        }
+        others = {name: table for name, table in consumers.items() if name not in jetstream}
+        data = {**data, "consumers": others}
+    else:
+        jetstream = {}
     try:
-        return ConsumersFile.model_validate(data).consumers
+        found: dict[str, Declaration] = dict(ConsumersFile.model_validate(data).consumers)
     except ValidationError as exc:
         raise ConfigError(f"{where}: {_first_error(exc)}") from None
+    for name, table in jetstream.items():
+        try:
+            found[name] = JetStreamConsumer.model_validate(table)
+        except ValidationError as exc:
+            raise ConfigError(f"{where}: {_first_error(exc, ('consumers', name))}") from None
+    # In the file's order.
+    return {name: found[name] for name in consumers} if isinstance(consumers, dict) else found
 
 
-def _first_error(exc: ValidationError) -> str:
+def _first_error(exc: ValidationError, within: tuple[str, ...] = ()) -> str:
     """The first error as `consumers.NAME: what is wrong`, without the value given (a url may
-    hold a password)."""
+    hold a password); `within`: where the validated table is in the file."""
     error = exc.errors()[0]
-    loc = [str(part) for part in error["loc"]]
+    loc = [*within, *(str(part) for part in error["loc"])]
     if error["type"] == "extra_forbidden":
         place = ".".join(loc[:-1]) or "the file"
         return f"{place}: unknown key {loc[-1]!r}"

@@ -16,7 +16,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from consumer.app import declared, recording_kind
+from consumer.app import declared, jetstream_kind, recording_kind
 from consumer.app.settings import ConfigError, SyncSettings
 from consumer.app.startup import StartupError
 from consumer.core.events import Sink
@@ -157,9 +157,11 @@ def consumer_kind(name: str, settings: SyncSettings | None = None) -> ConsumerKi
     return kind
 
 
-def _declared_kind(name: str, consumer: declared.DeclaredConsumer) -> ConsumerKind:
+def _declared_kind(name: str, consumer: declared.Declaration) -> ConsumerKind:
     """A ConsumerKind from a declaration: the sink of its kind, to its url, signed with its
     secret (read when a sink is made, and at start by check_settings)."""
+    if isinstance(consumer, jetstream_kind.JetStreamConsumer):
+        return _jetstream_kind(name, consumer)
     url = consumer.base_url
 
     def secret(settings: SyncSettings) -> str | None:
@@ -200,6 +202,27 @@ def _declared_kind(name: str, consumer: declared.DeclaredConsumer) -> ConsumerKi
         # Sends nothing: no secret to read.
         return replace(kind, sink=_null_sink, dead_letter_sink=_null_sink, check_settings=_no_check)
     return kind
+
+
+def _jetstream_kind(name: str, consumer: jetstream_kind.JetStreamConsumer) -> ConsumerKind:
+    """A consumer that publishes to a JetStream stream: the stream made or checked at start,
+    one batch in flight (each entity's messages keep outbox order in the stream)."""
+    hooks = jetstream_kind.JetStreamHooks(name, consumer)
+
+    def target_node(_settings: SyncSettings) -> str | None:
+        return consumer.target_node
+
+    return ConsumerKind(
+        name=name,
+        sink=hooks.sink,
+        dead_letter_sink=hooks.sink,
+        entity_types=consumer.types,
+        sends_only=consumer.types,
+        target_node=target_node,
+        check_settings=hooks.check_settings,
+        check=hooks.check,
+        one_batch_at_a_time=True,
+    )
 
 
 def _null_sink(_settings: SyncSettings, _pool: AsyncConnectionPool[Any] | None) -> Sink:

@@ -14,8 +14,10 @@ tracked reaches the frontend through `serversync snapshot` while its rows keep c
 two copies are compared row by row; then a few calls get a real recording
 (a short WAV tone and its meta.json in a temp RECORDINGS_DIR), and each one is checked end to
 end: uploaded, playable from its fileUrl, marked uploaded at the backend, gone from the backend's
-disk, and delivered with its URL to the receiver's database. Exit 0 only when every check holds;
-otherwise one line says which failed.
+disk, and delivered with its URL to the receiver's database; then, where a nats-server is
+installed, a call log goes through a declared JetStream consumer into a replicated stream and is
+read back (consumer/devtools/demo_jetstream.py). Exit 0 only when every check holds; otherwise
+one line says which failed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 import aiohttp
 import psycopg
 
+from consumer.devtools.demo_jetstream import jetstream_step
 from consumer.devtools.demo_processes import DemoCheckFailed, DemoProcesses
 from consumer.devtools.demo_settings import (
     SETTINGS_SECRET_ENV,
@@ -213,6 +216,7 @@ async def run_demo(calls: int = 5, recordings: int = 3) -> int:
             await snapshot_step(run, to_frontend, backend)
             if recordings > 0:
                 await check_recordings(run, recordings)
+            await jetstream_step(run, to_frontend, workdir)
             await zero_backlog(run)
             await _show_status(to_frontend, fconn)
 
