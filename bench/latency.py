@@ -85,7 +85,7 @@ async def run_latency(
 ) -> dict[str, Any]:
     """Commit `rate` single-event transactions per second for `seconds`; measure arrival
     (the consumer with `consumer_env` added to its settings)."""
-    await _start_at_outbox_end(env)
+    await start_at_outbox_end(env)
     mode = "notify" if listen else "poll-only"
     async with ingest_server(env) as (url, receiver):
         consumer = start_service(
@@ -156,7 +156,7 @@ async def run_latency(
     }
 
 
-async def _start_at_outbox_end(env: BenchEnv) -> None:
+async def start_at_outbox_end(env: BenchEnv) -> None:
     """Empty the receiver and call_logs, and put frontend-sync's offset at the outbox's end:
     only the events committed from here on count."""
     await execute(env.frontend, "TRUNCATE ingest.entities")
@@ -266,7 +266,7 @@ async def run_comparison(
 ) -> dict[str, Any]:
     """serversync and the naive relay side by side at each of `rates` (events/s of each path)
     for `seconds`, each path from `connections` producer connections of its own."""
-    await _start_at_outbox_end(env)
+    await start_at_outbox_end(env)
     await naive.prepare(env.backend)
     # SYNC_* settings given to the bench reach the consumer (start_service passes the
     # environment on): the result says which were set.

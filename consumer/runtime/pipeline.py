@@ -4,9 +4,10 @@ While a backlog drains, the next batch is read while earlier ones are delivered 
 and up to `max_in_flight` batches are delivered at once; their offsets are committed strictly in
 order, so the stored position never passes an unsettled batch. A short batch ends the read-ahead:
 everything in flight is settled before reading again, and that read goes out together with the
-last offset commit. While events arrive fast, the loop then
-waits `batch_wait` before that read, so that they gather into fewer, bigger batches (ReadPacer).
-When reads come back empty, the waiting flag (consumer/runtime/waiting.py) asks for a NOTIFY.
+last offset commit. While events arrive fast, the loop instead waits `batch_wait` before that
+read, so that they gather into fewer, bigger batches (ReadPacer). When reads come back empty,
+the waiting flag (consumer/runtime/waiting.py) asks for a NOTIFY; while committed events wait
+behind an older open transaction, the loop re-reads soon instead.
 """
 
 from __future__ import annotations
