@@ -117,23 +117,7 @@ def _parser() -> argparse.ArgumentParser:
             help="mechanisms: which to measure on and off (default all:"
             f" {','.join(mechanisms.MECHANISMS)}); `all --quick` leaves them out",
         )
-        p.add_argument("--name", help="result file name (default: timestamp)")
-        p.add_argument(
-            "--out",
-            type=Path,
-            default=report.RESULTS,
-            help="folder for the JSON and PNG (default bench/results)",
-        )
-        p.add_argument(
-            "--private",
-            action="store_true",
-            help="measure on a private throwaway cluster, not the local server",
-        )
-        p.add_argument(
-            "--keep-logs",
-            action="store_true",
-            help="keep the processes' logs after a run that succeeded (a failed run keeps them)",
-        )
+        report.add_run_arguments(p)
     scale.add_arguments(
         sub.add_parser(
             "scale", help="how a drain's cost grows with the backlog, consumers, payload, tables"

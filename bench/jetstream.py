@@ -111,23 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=LOOP_WINDOW,
         help=f"the loop's batches in flight (default {LOOP_WINDOW})",
     )
-    p.add_argument("--name", help="result file name (default: timestamp)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=report.RESULTS,
-        help="folder for the JSON and PNG (default bench/results)",
-    )
-    p.add_argument(
-        "--private",
-        action="store_true",
-        help="measure on a private throwaway cluster, not the local server",
-    )
-    p.add_argument(
-        "--keep-logs",
-        action="store_true",
-        help="keep the processes' logs after a run that succeeded (a failed run keeps them)",
-    )
+    report.add_run_arguments(p)
 
 
 class NoNatsServerError(RuntimeError):

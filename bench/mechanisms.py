@@ -44,7 +44,8 @@ import psycopg
 from psycopg import sql
 
 from bench import drain, latency, producer
-from bench.harness import BenchEnv, execute, produce_calls, progress
+from bench.harness import BenchEnv, execute, outbox_end, produce_calls, progress
+from consumer.core.events import Position
 
 # (setting, value off, value on) of each mechanism.
 MECHANISMS: dict[str, tuple[str, str, str]] = {
@@ -82,13 +83,14 @@ async def run_mechanisms(
 ) -> dict[str, Any]:
     """Every mechanism off and on, drain, latency and producers, in `rounds` interleaved
     rounds; the medians, the gains (on against off) and the verdicts."""
-    # Every drain reads the outbox's first `events` events (a window: the producer runs add
-    # millions of events behind them, which no drain here should wait for).
-    held = (await execute(env.backend, "SELECT count(*) FROM sync.events_outbox"))[0][0]
-    if held < events:
-        progress(f"mechanisms: producing a backlog of {events - held:,} events")
-        await produce_calls(env.backend, events - held)
+    # Every drain reads this backlog whole: what the latency and producer runs add behind it is
+    # deleted before each drain (bench_outbox_end), so every drain checks that the receiver holds
+    # every entity of it.
+    progress(f"mechanisms: producing a backlog of {events:,} events")
+    await execute(env.backend, "TRUNCATE sync.events_outbox")
+    await produce_calls(env.backend, events)
     await execute(env.backend, "VACUUM ANALYZE sync.events_outbox")
+    backlog_end = await outbox_end(env.backend)
     pgq_missing = await producer.prepare_tables(env.backend)
     del pgq_missing  # PgQ is not part of this comparison
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
@@ -106,7 +108,7 @@ async def run_mechanisms(
                     await _measure(
                         env,
                         _env(name, state),
-                        events=events,
+                        backlog_end=backlog_end,
                         batch_size=batch_size,
                         seconds=seconds,
                         rates=rates,
@@ -125,10 +127,16 @@ async def run_mechanisms(
     }
     for name in mechanisms:
         setting, off, on = MECHANISMS[name]
+        # The figures every run has (a drain too short for two CPU readings has no CPU split).
+        keys = [
+            key
+            for key in runs[name]["off"][0]
+            if all(key in run for state in STATES for run in runs[name][state])
+        ]
         medians = {
             state: {
                 key: round(statistics.median(run[key] for run in runs[name][state]), 3)
-                for key in runs[name][state][0]
+                for key in keys
             }
             for state in STATES
         }
@@ -171,7 +179,7 @@ async def _measure(
     env: BenchEnv,
     consumer_env: dict[str, str],
     *,
-    events: int,
+    backlog_end: Position,
     batch_size: int,
     seconds: float,
     rates: Sequence[float],
@@ -181,9 +189,12 @@ async def _measure(
     """One setting's figures: a drain of the whole outbox, the latency at each rate, pgbench
     with the consumer running."""
     figures: dict[str, float] = {}
-    http = await drain.product(
-        env, batch_size, "http", timeout, window=events, consumer_env=consumer_env
+    await execute(
+        env.backend,
+        "DELETE FROM sync.events_outbox WHERE (txid, seq) > (%s::xid8, %s)",
+        (str(backlog_end.txid), backlog_end.seq),
     )
+    http = await drain.product(env, batch_size, "http", timeout, consumer_env=consumer_env)
     figures["drain_events_per_sec"] = round(http["events_per_sec"], 1)
     for part, us in (http["cpu_us_per_event"] or {}).items():
         figures[f"drain_cpu_us_per_event_{part}"] = us

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,27 @@ import orjson
 from bench import mechanisms
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every measuring command takes: where its result goes, and where it runs."""
+    p.add_argument("--name", help="result file name (default: timestamp)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="folder for the JSON and PNG (default bench/results)",
+    )
+    p.add_argument(
+        "--private",
+        action="store_true",
+        help="measure on a private throwaway cluster, not the local server",
+    )
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the processes' logs after a run that succeeded (a failed run keeps them)",
+    )
 
 
 def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:

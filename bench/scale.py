@@ -186,23 +186,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--table-events", type=int, help="events of the tables curve")
     p.add_argument("--rounds", type=int, help="interleaved repeats, each figure their median")
     p.add_argument("--batch-size", type=int, default=1000)
-    p.add_argument("--name", help="result file name (default: timestamp)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=report.RESULTS,
-        help="folder for the JSON and PNG (default bench/results)",
-    )
-    p.add_argument(
-        "--private",
-        action="store_true",
-        help="measure on a private throwaway cluster, not the local server",
-    )
-    p.add_argument(
-        "--keep-logs",
-        action="store_true",
-        help="keep the processes' logs after a run that succeeded (a failed run keeps them)",
-    )
+    report.add_run_arguments(p)
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
