@@ -12,11 +12,13 @@
 -- one back. The probe is the largest txid this snapshot sees, read backwards from the end of the
 -- primary key past the running transactions' rows: a few index entries at any outbox size (an
 -- EXISTS over `txid >= xmin` was planned as a sequential scan that stops at the first match, and
--- there is none when nothing waits). While nothing committed waits, a running transaction that
--- writes the outbox will notify when it commits, and re-checking would only cost reads.
+-- there is none when nothing waits). `horizon` is 2 then, 1 while transactions run but nothing
+-- committed waits (one of them may have written an outbox row before the consumer announced its
+-- wait, and will commit without a NOTIFY: the caller re-checks at its re-check interval), and 0
+-- when none runs.
 --
--- One row per event, in delivery order, each carrying held_back; with no event, one row of
--- NULLs that still carries it. The LATERAL subquery refers to the horizon, so PostgreSQL can only
+-- One row per event, in delivery order, each carrying the horizon's state; with no event, one row
+-- of NULLs that still carries it. The LATERAL subquery refers to the horizon, so PostgreSQL can only
 -- run it as a nested loop under the horizon's single row, and the rows come out in the index
 -- order of the subquery: an ORDER BY out here would sort the batch a second time for nothing.
 -- The entries are not built here as JSON: string_agg over the concatenated entry text cost
@@ -26,11 +28,14 @@
 -- consumer a snapshot's row is for (NULL: every consumer).
 WITH horizon AS MATERIALIZED (
     SELECT pg_snapshot_xmin(s) AS xmin,
-           pg_snapshot_xmin(s) < pg_snapshot_xmax(s)
-           AND (SELECT max(w.txid) FROM sync.events_outbox w) >= pg_snapshot_xmin(s) AS held_back
+           CASE WHEN pg_snapshot_xmin(s) = pg_snapshot_xmax(s) THEN 0
+                WHEN (SELECT max(w.txid) FROM sync.events_outbox w) >= pg_snapshot_xmin(s)
+                THEN 2
+                ELSE 1
+           END AS horizon
     FROM pg_current_snapshot() AS s
 )
-SELECT h.held_back, b.txid::text, b.target_consumer, b.seq, b.op, b.entity_type, b.entity_id,
+SELECT h.horizon, b.txid::text, b.target_consumer, b.seq, b.op, b.entity_type, b.entity_id,
        b.payload::text, b.created_at, b.origin, b.snapshot_id
 FROM horizon h
 LEFT JOIN LATERAL (

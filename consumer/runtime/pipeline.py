@@ -119,9 +119,9 @@ class Pipeline:
                         if not await self._finish_all(in_flight):
                             return
                     elif result.held_back and self._recheck.upcoming() <= QUIET_RECHECK_SEC:
-                        await self._sleep(held_back=True)
+                        await self._sleep(held_back=True, running=True)
                     elif not await self.waiting.read_again():
-                        await self._sleep(held_back=result.held_back)
+                        await self._sleep(held_back=result.held_back, running=result.running)
                     continue
                 pacer.observe(batch.count)
                 in_flight.append(self._start_delivery(batch))
@@ -178,13 +178,19 @@ class Pipeline:
     async def _read(self, position: Position, limit: int) -> ReadResult:
         return await self.store.read_batch(position, limit, **self._read_options)
 
-    async def _sleep(self, *, held_back: bool) -> None:
-        """Nothing to read: sleep until a NOTIFY, the poll timer or, while committed events wait
-        behind an older open transaction, the re-check timer (soon at first, then backing off to
-        the re-check interval)."""
-        timeout = self._recheck.next_delay() if held_back else self.config.poll_interval
+    async def _sleep(self, *, held_back: bool, running: bool) -> None:
+        """Nothing to read: sleep until a NOTIFY, the poll timer or the re-check timer: soon at
+        first, backing off to the re-check interval, while committed events wait behind an older
+        open transaction; the re-check interval while transactions merely run (one may have
+        written an outbox row before the wait was announced, and its commit sends no NOTIFY)."""
+        if held_back:
+            timeout = self._recheck.next_delay()
+        elif running:
+            timeout = self.config.recheck_interval
+        else:
+            timeout = self.config.poll_interval
         reason = await wait_for_work(
-            self.steps, self.stats, self.wakeup, timeout, held_back=held_back
+            self.steps, self.stats, self.wakeup, timeout, held_back=held_back or running
         )
         count_wakeup(self.consumer, self.stats, reason)
 

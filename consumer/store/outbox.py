@@ -31,6 +31,9 @@ class ReadResult:
 
     batch: Batch | None
     held_back: bool
+    # Some transaction was running when the read's snapshot was taken: one that wrote an outbox
+    # row before the consumer announced a wait commits without a NOTIFY.
+    running: bool = False
     # The read returned as many rows as asked for: more may be ready. A batch's count does not
     # say it when rows of a snapshot for another consumer were left out of it.
     full: bool = False
@@ -80,9 +83,10 @@ class OutboxStore:
                 binary=True,
             )
             rows = await cur.fetchall()
-        held_back = bool(rows[0][0])
+        horizon = int(rows[0][0])
+        held_back, running = horizon == 2, horizon >= 1
         if rows[0][1] is None:
-            return ReadResult(None, held_back)
+            return ReadResult(None, held_back, running=running)
         last = rows[-1]
         seqs = [row[3] for row in rows]
         ours = [row for row in rows if row[2] is None or row[2] == consumer]
@@ -93,7 +97,7 @@ class OutboxStore:
             max_seq=max(seqs),
             write_entries=functools.partial(encode_entries, ours, local_node=local_node),
         )
-        return ReadResult(batch, held_back, full=len(rows) == limit)
+        return ReadResult(batch, held_back, full=len(rows) == limit, running=running)
 
     async def ensure_consumer(
         self,
