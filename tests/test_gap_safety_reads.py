@@ -256,6 +256,33 @@ async def test_held_back_event_arrives_via_recheck_soon_after_blocker_ends(
     assert sink.entries[0]["payload"]["caller_number"] == "held"
 
 
+async def test_an_event_written_before_the_wait_was_announced_arrives_by_the_recheck(
+    private_backend_dsn: str,
+) -> None:
+    """The relay decides at the write whether to notify: a producer that wrote its row before
+    the consumer announced its wait commits without a NOTIFY. While any transaction runs, the
+    consumer therefore re-checks at its re-check interval, never waits for the poll timer."""
+    producer = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    async with producer:
+        # Written while no consumer waits: this transaction will send no NOTIFY.
+        await producer.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) VALUES ('early', '0')"
+        )
+        sink = RecordingSink()
+        async with running_runtime(
+            private_backend_dsn, sink, SYNC_POLL_INTERVAL_SEC=60, SYNC_RECHECK_INTERVAL_MS=50
+        ) as runtime:
+            await wait_until(
+                lambda: runtime.stats.recheck_wakeups >= 2,
+                what="the consumer re-checking while the producer's transaction runs",
+            )
+            await producer.commit()
+            await wait_until(lambda: len(sink.entries) == 1, timeout=5, what="the early event")
+            assert runtime.stats.notify_wakeups == 0
+            assert runtime.stats.poll_wakeups == 0
+    assert sink.entries[0]["payload"]["caller_number"] == "early"
+
+
 # -- lost NOTIFY and no NOTIFY ------------------------------------------------------------------
 
 LISTENER_BACKENDS = (
