@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from bench import (
     scale,
     snapshot,
 )
-from bench.harness import bench_server, execute, fresh_databases, machine, produce_calls, progress
+from bench.harness import bench_run, execute, machine, produce_calls, progress
 
 
 def _receivers(value: str) -> tuple[str, ...]:
@@ -169,16 +167,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "snapshot_rows": args.rows or events,
         },
     }
-    workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
-    progress(f"logs in {workdir}")
-    with bench_server(args.private) as server:
-        # What was measured on, not what was asked for: with no server running, a private
-        # cluster is started even without --private (and the producer adds its durable modes).
-        result["parameters"]["server"] = (
-            "private cluster" if server.cluster is not None else "DATABASE_URL or local"
-        )
-        env = await fresh_databases(server, workdir)
-        result["machine"]["postgres"] = (await execute(env.backend, "SHOW server_version"))[0][0]
+    async with bench_run(result, private=args.private, keep_logs=args.keep_logs) as env:
         if args.command in ("drain", "all"):
             progress(f"drain: producing {events:,} events through the relay trigger")
             await produce_calls(env.backend, events)
@@ -269,11 +258,6 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     result["targets"] = report.targets(result)
     path = report.write(result, name, args.out)
     progress(f"wrote {path}")
-    # A run that failed raised before this point and left its logs where it said they were.
-    if args.keep_logs:
-        progress(f"logs kept in {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 

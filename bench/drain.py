@@ -29,9 +29,8 @@ from bench.harness import (
     ingest_server,
     outbox_end,
     peak_rss_mb,
-    progress,
     start_service,
-    wait_for,
+    watch_drain,
 )
 from consumer.core.events import Position
 from consumer.store.db import connect_kwargs
@@ -255,46 +254,20 @@ async def product(
         processes = {"consumer": consumer.pid}
         if sink == "http":
             processes["receiver"] = receiver.pid
-        last_report = time.monotonic()
-        # CPU is measured from the first delivered batch on: start-up is not the drain's.
-        delivered_at_mark: int | None = None
         try:
             async with cpu_meter(env, processes) as meter:
-
-                async def drained() -> bool:
-                    nonlocal last_report, delivered_at_mark
-                    cur = await monitor.execute(
-                        "SELECT last_txid::text, last_seq, delivered_total"
-                        " FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
-                    )
-                    row = await cur.fetchone()
-                    assert row is not None
-                    if delivered_at_mark is None and row[2] > 0:
-                        await meter.mark()
-                        delivered_at_mark = row[2]
-                    if time.monotonic() - last_report > 2:
-                        last_report = time.monotonic()
-                        progress(f"  {sink}: {row[2]:,}/{total:,} delivered")
-                    return Position(int(row[0]), row[1]) >= end
-
-                await wait_for(
-                    drained,
+                run = await watch_drain(
+                    monitor,
+                    meter,
+                    consumer="frontend-sync",
+                    end=end,
+                    total=total,
+                    label=sink,
                     timeout=timeout,
-                    what=f"the {sink} drain",
                     every=0.02,
                     watching=[consumer, receiver],
                 )
-                # From taking the lead to the last offset commit: process start-up excluded.
-                cur = await monitor.execute(
-                    "SELECT extract(epoch FROM updated_at - leader_since)::float8, delivered_total"
-                    " FROM sync.consumer_offsets WHERE consumer = 'frontend-sync'"
-                )
-                row = await cur.fetchone()
-                assert row is not None
-                seconds, delivered = row
-                # None when the whole drain fell between two polls (tiny backlogs).
-                measured = delivered - (delivered_at_mark or delivered)
-                cpu = await meter.per_event(measured) if measured else None
+                delivered, seconds, cpu = run.events, run.seconds, run.cpu
             consumer_rss = peak_rss_mb(consumer.pid)
             receiver_rss = peak_rss_mb(receiver.pid)
         finally:

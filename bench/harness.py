@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -279,6 +281,86 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(every)
+
+
+@contextlib.asynccontextmanager
+async def bench_run(
+    result: dict[str, Any], *, private: bool, keep_logs: bool
+) -> AsyncIterator[BenchEnv]:
+    """A measuring command's server and fresh databases, with what it measured on written into
+    `result`, and a folder for its processes' logs: removed after a run that succeeded unless
+    `keep_logs`; a run that fails raises through here and keeps it (its first line said where)."""
+    workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
+    progress(f"logs in {workdir}")
+    with bench_server(private) as server:
+        # What was measured on, not what was asked for: with no server running, a private
+        # cluster is started even without --private (and the producer adds its durable modes).
+        result["parameters"]["server"] = (
+            "private cluster" if server.cluster is not None else "DATABASE_URL or local"
+        )
+        env = await fresh_databases(server, workdir)
+        result["machine"]["postgres"] = (await execute(env.backend, "SHOW server_version"))[0][0]
+        yield env
+    if keep_logs:
+        progress(f"logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Drained:
+    """A consumer's drain as its offset row tells it: the events it delivered, the seconds from
+    taking the lead to its last offset commit (process start-up excluded), and the CPU per
+    event from its first delivered batch on (None when the whole drain fell between two polls)."""
+
+    events: int
+    seconds: float
+    cpu: dict[str, float] | None
+
+
+async def watch_drain(
+    monitor: psycopg.AsyncConnection[Any],
+    meter: CpuMeter,
+    *,
+    consumer: str,
+    end: Position,
+    total: int,
+    label: str,
+    timeout: float,
+    every: float,
+    watching: Sequence[Service],
+) -> Drained:
+    """Poll `consumer`'s offset on `monitor` until it reaches `end`, reporting progress against
+    `total` events every 2 s; the meter is marked at the first delivered batch, so start-up is
+    not the drain's."""
+    delivered_at_mark: int | None = None
+    last_report = time.monotonic()
+    offset = (
+        "SELECT last_txid::text, last_seq, delivered_total,"
+        " extract(epoch FROM updated_at - leader_since)::float8"
+        " FROM sync.consumer_offsets WHERE consumer = %s"
+    )
+
+    async def drained() -> bool:
+        nonlocal delivered_at_mark, last_report
+        row = await (await monitor.execute(offset, (consumer,))).fetchone()
+        assert row is not None
+        if delivered_at_mark is None and row[2] > 0:
+            await meter.mark()
+            delivered_at_mark = row[2]
+        if time.monotonic() - last_report > 2:
+            last_report = time.monotonic()
+            progress(f"  {label}: {row[2]:,}/{total:,} delivered")
+        return Position(int(row[0]), row[1]) >= end
+
+    await wait_for(
+        drained, timeout=timeout, what=f"the {label} drain", every=every, watching=watching
+    )
+    row = await (await monitor.execute(offset, (consumer,))).fetchone()
+    assert row is not None
+    delivered, seconds = int(row[2]), float(row[3])
+    measured = delivered - (delivered_at_mark or delivered)
+    return Drained(delivered, seconds, await meter.per_event(measured) if measured else None)
 
 
 @contextlib.asynccontextmanager

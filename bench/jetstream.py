@@ -35,13 +35,10 @@ import argparse
 import asyncio
 import collections
 import os
-import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -50,16 +47,15 @@ import psycopg
 from bench import report
 from bench.harness import (
     BenchEnv,
-    bench_server,
+    bench_run,
     cpu_meter,
     execute,
-    fresh_databases,
     machine,
     outbox_end,
     produce_calls,
     progress,
     start_service,
-    wait_for,
+    watch_drain,
 )
 from consumer.app import jetstream_kind
 from consumer.core.events import Position
@@ -165,18 +161,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "replicas": REPLICAS,
         },
     }
-    workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
-    progress(f"logs in {workdir}")
-    with bench_server(args.private) as server:
-        result["parameters"]["server"] = (
-            "private cluster" if server.cluster is not None else "DATABASE_URL or local"
-        )
-        env = await fresh_databases(server, workdir)
-        result["machine"]["postgres"] = (await execute(env.backend, "SHOW server_version"))[0][0]
+    async with bench_run(result, private=args.private, keep_logs=args.keep_logs) as env:
         progress(f"jetstream: producing {events:,} events through the relay trigger")
         await produce_calls(env.backend, events)
         await execute(env.backend, "VACUUM ANALYZE sync.events_outbox")
-        async with running_cluster(binary, workdir / "nats", size=REPLICAS) as cluster:
+        async with running_cluster(binary, env.workdir / "nats", size=REPLICAS) as cluster:
             progress(f"jetstream: {REPLICAS}-node cluster at {', '.join(cluster.urls)}")
             result["jetstream"] = await measure(
                 env,
@@ -189,10 +178,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     result["targets"] = report.targets(result)
     path = report.write(result, name, args.out)
     progress(f"wrote {path}")
-    if args.keep_logs:
-        progress(f"logs kept in {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
@@ -374,46 +359,20 @@ async def product_run(
         processes = {"consumer": consumer.pid, **_node_pids(cluster)}
         # The polling connection's backend is named apart, and left out of the figures.
         processes["bench monitor"] = monitor.info.backend_pid
-        delivered_at_mark: int | None = None
-        last_report = time.monotonic()
         try:
             async with cpu_meter(env, processes) as meter:
-
-                async def drained() -> bool:
-                    nonlocal delivered_at_mark, last_report
-                    cur = await monitor.execute(
-                        "SELECT last_txid::text, last_seq, delivered_total"
-                        " FROM sync.consumer_offsets WHERE consumer = %s",
-                        (CONSUMER,),
-                    )
-                    row = await cur.fetchone()
-                    assert row is not None
-                    if delivered_at_mark is None and row[2] > 0:
-                        await meter.mark()
-                        delivered_at_mark = row[2]
-                    if time.monotonic() - last_report > 2:
-                        last_report = time.monotonic()
-                        progress(f"  product: {row[2]:,}/{events:,} delivered")
-                    return Position(int(row[0]), row[1]) >= end
-
-                await wait_for(
-                    drained,
+                run = await watch_drain(
+                    monitor,
+                    meter,
+                    consumer=CONSUMER,
+                    end=end,
+                    total=events,
+                    label="JetStream consumer's",
                     timeout=timeout,
-                    what="the JetStream consumer's drain",
                     every=POLL_SEC,
                     watching=[consumer],
                 )
-                cur = await monitor.execute(
-                    "SELECT extract(epoch FROM updated_at - leader_since)::float8, delivered_total"
-                    " FROM sync.consumer_offsets WHERE consumer = %s",
-                    (CONSUMER,),
-                )
-                row = await cur.fetchone()
-                assert row is not None
-                seconds, delivered = row
-                # None when the whole drain fell between two polls (tiny backlogs).
-                measured = delivered - (delivered_at_mark or delivered)
-                cpu = await meter.per_event(measured) if measured else None
+                delivered, seconds, cpu = run.events, run.seconds, run.cpu
         finally:
             consumer.stop()
     held, sample = await _stream_after(cluster, stream, events)

@@ -35,9 +35,7 @@ import contextlib
 import inspect
 import math
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -51,10 +49,9 @@ from bench import drain, report
 from bench.harness import (
     BenchEnv,
     Service,
-    bench_server,
+    bench_run,
     cpu_meter,
     execute,
-    fresh_databases,
     machine,
     machine_cpu,
     progress,
@@ -219,15 +216,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine(),
         "parameters": {**asdict(plan), "quick": args.quick},
     }
-    workdir = Path(tempfile.mkdtemp(prefix="serversync-bench-"))
-    progress(f"logs in {workdir}")
     started = time.monotonic()
-    with bench_server(args.private) as server:
-        result["parameters"]["server"] = (
-            "private cluster" if server.cluster is not None else "DATABASE_URL or local"
-        )
-        env = await fresh_databases(server, workdir)
-        result["machine"]["postgres"] = (await execute(env.backend, "SHOW server_version"))[0][0]
+    async with bench_run(result, private=args.private, keep_logs=args.keep_logs) as env:
         result["scale"] = {}
 
         def save() -> None:
@@ -241,10 +231,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     save()
     path = args.out / f"{name}.json"
     progress(f"wrote {path}")
-    if args.keep_logs:
-        progress(f"logs kept in {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
     return result
 
 
