@@ -1209,3 +1209,16 @@ def test_each_connection_failure_means_one_failure(
     error: Exception, failure: Failure, code: str
 ) -> None:
     assert jetstream._connect_failure(error) == (failure, code)
+
+
+def test_a_refused_login_tells_why_an_attempt_failed_though_a_reset_came_after_it() -> None:
+    """A server that refuses the login may also reset the socket: the attempt, cut by its
+    bound after the reset, is still a wrong destination."""
+    refused = nats.errors.Error("nats: 'Authorization Violation'")
+    reset = ConnectionResetError(104, "Connection reset by peer")
+    refused_then_reset = jetstream.connect_cause([refused, reset], TimeoutError())
+    assert jetstream._connect_failure(refused_then_reset) == (WRONG, "NATS_AUTH")
+    assert jetstream.connect_cause([reset], TimeoutError()) is reset
+    assert jetstream.connect_cause([], TimeoutError()).__class__ is TimeoutError
+    refused_at_once = nats.errors.AuthorizationError()
+    assert jetstream.connect_cause([], refused_at_once) is refused_at_once

@@ -81,6 +81,8 @@ MAX_HEADER_BYTES = 65_535
 # Seconds between the client's pings: a connection whose peer vanished without closing it
 # (half-open) is given up after two pings without an answer.
 PING_INTERVAL_SEC = 15
+# Errors kept from a connection attempt's tries, to tell why it failed.
+KEPT_CONNECT_ERRORS = 16
 # JetStream's own error codes (nats-server's errors.json) that decide the failure; any other
 # error is decided by its HTTP-like code: 5xx passes (UNAVAILABLE), the rest is WRONG_DESTINATION.
 REFUSED_ERRORS = {
@@ -310,7 +312,7 @@ async def connect(
         log.debug("consumer %s: NATS: %s", consumer, first_line(error))
         if errors is not None:
             errors.append(error)
-            del errors[:-1]
+            del errors[:-KEPT_CONNECT_ERRORS]
         if on_error is not None:
             on_error(error)
 
@@ -674,7 +676,7 @@ class JetStreamSink:
                     self._timeout,
                 )
             except (nats.errors.Error, OSError, TimeoutError) as exc:
-                cause = seen[-1] if isinstance(exc, TimeoutError) and seen else exc
+                cause = connect_cause(seen, exc)
                 failure, code = _connect_failure(cause)
                 raise DeliveryError(
                     f"cannot connect to NATS at {', '.join(self.connection.servers)} within "
@@ -933,6 +935,18 @@ def _connection_error(exc: nats.errors.Error) -> DeliveryError:
 # TLS errors of a connection cut in the handshake, which pass; any other (a certificate that
 # does not verify, no common protocol or cipher) is a wrong destination.
 _PASSING_TLS_ERRORS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+
+
+def connect_cause(seen: list[Exception], exc: BaseException) -> BaseException:
+    """The error that tells why a bounded connection attempt failed: a refusal (login, TLS)
+    met on any try, since the server may also reset the socket after refusing and that reset
+    says nothing; else the last error the tries met when the bound cut them; else `exc`."""
+    for error in reversed(seen):
+        if _connect_failure(error)[0] is Failure.WRONG_DESTINATION:
+            return error
+    if isinstance(exc, TimeoutError) and seen:
+        return seen[-1]
+    return exc
 
 
 def _connect_failure(exc: BaseException) -> tuple[Failure, str]:
