@@ -3,19 +3,20 @@
 
 -- name: read_batch
 -- The gap-safe read. One statement, so the horizon and the rows come from the same snapshot:
--- only transactions older than the snapshot's xmin are read; every one of them has ended, so
--- nothing can later appear behind the position. `held_back` says that committed rows wait behind
--- the horizon for an older transaction that is still running: nothing will notify when that one
--- ends if it writes no outbox row, so the caller re-checks soon instead of waiting for the poll
--- timer. A row at or beyond the horizon that this snapshot sees is committed (a running
--- transaction's rows are not visible to it); only a running transaction (xmin < xmax) can hold
--- one back. The probe is the largest txid this snapshot sees, read backwards from the end of the
+-- only transactions older than the horizon are read (sync.read_horizon: the oldest transaction
+-- running when the snapshot was taken, other databases' left out); every one of them has ended,
+-- so nothing can later appear behind the position. `held_back` says that committed rows wait
+-- behind the horizon for an older transaction that is still running: nothing will notify when
+-- that one ends if it writes no outbox row, so the caller re-checks soon instead of waiting for
+-- the poll timer. A row at or beyond the horizon that this snapshot sees is committed (a running
+-- transaction's rows are not visible to it); only a running transaction (horizon < xmax) can
+-- hold one back. The probe is the largest txid this snapshot sees, read backwards from the end of the
 -- primary key past the running transactions' rows: a few index entries at any outbox size (an
 -- EXISTS over `txid >= xmin` was planned as a sequential scan that stops at the first match, and
 -- there is none when nothing waits). `horizon` is 2 then, 1 while transactions run but nothing
 -- committed waits (one of them may have written an outbox row before the consumer announced its
 -- wait, and will commit without a NOTIFY: the caller re-checks at its re-check interval), and 0
--- when none runs.
+-- when none of this database runs.
 --
 -- One row per event, in delivery order, each carrying the horizon's state; with no event, one row
 -- of NULLs that still carries it. The LATERAL subquery refers to the horizon, so PostgreSQL can only
@@ -26,14 +27,16 @@
 -- (consumer/wire/entries.py; docs/performance.md has the timings). The entry's columns end the
 -- row (consumer/wire/entries.py, ENTRY_COLUMNS); target_consumer, before them, names the one
 -- consumer a snapshot's row is for (NULL: every consumer).
-WITH horizon AS MATERIALIZED (
-    SELECT pg_snapshot_xmin(s) AS xmin,
-           CASE WHEN pg_snapshot_xmin(s) = pg_snapshot_xmax(s) THEN 0
-                WHEN (SELECT max(w.txid) FROM sync.events_outbox w) >= pg_snapshot_xmin(s)
-                THEN 2
+WITH snapshot AS MATERIALIZED (
+    SELECT sync.read_horizon(s) AS xmin, pg_snapshot_xmax(s) AS xmax
+    FROM pg_current_snapshot() AS s
+), horizon AS MATERIALIZED (
+    SELECT t.xmin,
+           CASE WHEN t.xmin = t.xmax THEN 0
+                WHEN (SELECT max(w.txid) FROM sync.events_outbox w) >= t.xmin THEN 2
                 ELSE 1
            END AS horizon
-    FROM pg_current_snapshot() AS s
+    FROM snapshot t
 )
 SELECT h.horizon, b.txid::text, b.target_consumer, b.seq, b.op, b.entity_type, b.entity_id,
        b.payload::text, b.created_at, b.origin, b.snapshot_id
@@ -215,7 +218,7 @@ SELECT coalesce((SELECT n_live_tup FROM pg_stat_user_tables
 -- (`held_back_estimated`): a transaction left open while producers write holds back ever more.
 -- The age is that of the oldest of those first events.
 WITH horizon AS MATERIALIZED (
-    SELECT pg_snapshot_xmin(pg_current_snapshot()) AS xmin
+    SELECT sync.read_horizon(pg_current_snapshot()) AS xmin
 ), newest AS MATERIALIZED (
     SELECT o.seq FROM sync.events_outbox o ORDER BY o.txid DESC, o.seq DESC LIMIT 1
 ), first AS (
@@ -233,13 +236,15 @@ SELECT CASE WHEN count(*) <= 10000 THEN count(*)
 FROM first f;
 
 -- name: horizon_blockers
--- The oldest open transactions that hold an xid: the read horizon of every consumer waits for
--- them (in any database of the cluster), and prepared transactions hold it too.
+-- The oldest open transactions that hold an xid and the read horizon of every consumer waits for
+-- (sync.read_horizon): this database's, those of no database, and every prepared transaction
+-- (whichever database prepared it).
 SELECT a.pid, a.datname, a.usename, a.application_name, a.state,
        extract(epoch FROM now() - a.xact_start)::float8 AS xact_age_seconds,
        left(a.query, 200) AS query
 FROM pg_stat_activity a
 WHERE a.backend_xid IS NOT NULL
+  AND (a.datid IS NULL OR a.datname = current_database())
 UNION ALL
 SELECT NULL, p.database, p.owner, 'prepared: ' || p.gid, 'prepared',
        extract(epoch FROM now() - p.prepared)::float8, NULL

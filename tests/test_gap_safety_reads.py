@@ -143,11 +143,11 @@ async def test_held_back_only_when_committed_events_wait_behind_the_horizon(
     """A transaction that is merely open holds nothing back: re-reading then would only cost
     reads (a producer's commit notifies). Only committed events behind it make a read say
     held_back, and the consumer re-checks soon."""
-    blocker = await psycopg.AsyncConnection.connect(private_cluster.dsn)
+    blocker = await psycopg.AsyncConnection.connect(private_backend_dsn)
     writer = await psycopg.AsyncConnection.connect(private_backend_dsn)
     async with blocker, writer, open_pool(private_backend_dsn, "test-read") as pool:
         store = OutboxStore(pool)
-        # An xid in another database of the cluster, and an outbox row not yet committed.
+        # An xid in this database, and an outbox row not yet committed.
         await blocker.execute("SELECT pg_current_xact_id()")
         await writer.execute(
             "INSERT INTO call_logs (caller_number, callee_number) VALUES ('open', '0')"
@@ -167,6 +167,55 @@ async def test_held_back_only_when_committed_events_wait_behind_the_horizon(
         assert (after.batch, after.held_back) == (None, False)
 
 
+async def test_another_database_s_open_transaction_holds_nothing_back(
+    private_backend_dsn: str, private_cluster: PrivateCluster
+) -> None:
+    """A transaction of another database of the server cannot write this outbox: events
+    committed after it are read at once, the read says nothing runs here, and status lists no
+    blocker. A prepared transaction, whose database pg_stat_activity does not show, still holds
+    the horizon, and so does one of this database while the other's runs."""
+    other = await psycopg.AsyncConnection.connect(private_cluster.dsn)
+    ours = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    async with other, ours, open_pool(private_backend_dsn, "test-read") as pool:
+        store = OutboxStore(pool)
+        await other.execute("SELECT pg_current_xact_id()")
+        await insert_call(private_backend_dsn, "after-other")
+        read = await store.read_batch(Position.start(), 100)
+        assert read.batch is not None
+        assert [e["payload"]["caller_number"] for e in read.batch.entries()] == ["after-other"]
+        assert (read.held_back, read.running) == (False, False)
+        assert await fetch_value(private_backend_dsn, query("horizon_state")) == 0
+        blockers = await fetch_all(private_backend_dsn, query("horizon_blockers"), {"limit": 10})
+        assert other.info.backend_pid not in [row[0] for row in blockers]
+
+        # This database's open transaction holds the next event back, the other's still open.
+        await ours.execute("SELECT pg_current_xact_id()")
+        await insert_call(private_backend_dsn, "after-ours")
+        held = await store.read_batch(read.batch.end, 100)
+        assert (held.batch, held.held_back) == (None, True)
+        await ours.rollback()
+        released = await read_when_ready(store, read.batch.end)
+        assert [e["payload"]["caller_number"] for e in released.entries()] == ["after-ours"]
+
+        # A prepared transaction of the other database: no backend shows its xid.
+        await other.execute("PREPARE TRANSACTION 'held-by-a-prepared-one'")
+        try:
+            await insert_call(private_backend_dsn, "after-prepared")
+            prepared = await store.read_batch(released.end, 100)
+            assert (prepared.batch, prepared.held_back) == (None, True)
+            blockers = await fetch_all(
+                private_backend_dsn, query("horizon_blockers"), {"limit": 10}
+            )
+            assert "prepared: held-by-a-prepared-one" in [row[3] for row in blockers]
+        finally:
+            async with await psycopg.AsyncConnection.connect(
+                private_cluster.dsn, autocommit=True
+            ) as admin:
+                await admin.execute("ROLLBACK PREPARED 'held-by-a-prepared-one'")
+        last = await read_when_ready(store, released.end)
+        assert [e["payload"]["caller_number"] for e in last.entries()] == ["after-prepared"]
+
+
 def _scans_of(plan: dict[str, Any], relation: str) -> list[str]:
     """The node types of every scan of `relation` in an EXPLAIN (FORMAT JSON) plan tree."""
     found = [plan["Node Type"]] if plan.get("Relation Name") == relation else []
@@ -175,16 +224,14 @@ def _scans_of(plan: dict[str, Any], relation: str) -> list[str]:
     return found
 
 
-async def test_the_held_back_probe_reads_the_index_not_the_outbox(
-    private_backend_dsn: str, private_cluster: PrivateCluster
-) -> None:
+async def test_the_held_back_probe_reads_the_index_not_the_outbox(private_backend_dsn: str) -> None:
     """Whether committed events wait behind the horizon is asked on every read while any
     transaction is open: it must cost a few index entries at any outbox size, never a scan of
     the outbox (which an EXISTS over `txid >= xmin` was planned as)."""
     await insert_calls(private_backend_dsn, 5000)
     async with await psycopg.AsyncConnection.connect(private_backend_dsn, autocommit=True) as conn:
         await conn.execute("ANALYZE sync.events_outbox")
-    blocker = await psycopg.AsyncConnection.connect(private_cluster.dsn)
+    blocker = await psycopg.AsyncConnection.connect(private_backend_dsn)
     async with blocker:
         await blocker.execute("SELECT pg_current_xact_id()")
         await insert_call(private_backend_dsn, "behind")
@@ -201,13 +248,13 @@ async def test_the_held_back_probe_reads_the_index_not_the_outbox(
     assert len(scans) == 2, scans
 
 
-@pytest.mark.parametrize("blocker", ["xid-other-database", "write-untracked-table"])
+@pytest.mark.parametrize("blocker", ["xid-only", "write-untracked-table"])
 async def test_held_back_event_arrives_via_recheck_soon_after_blocker_ends(
-    private_backend_dsn: str, private_cluster: PrivateCluster, blocker: str
+    private_backend_dsn: str, blocker: str
 ) -> None:
-    if blocker == "xid-other-database":
-        # Another database of the same cluster: the horizon is cluster-wide.
-        blocker_dsn, blocker_sql = private_cluster.dsn, "SELECT pg_current_xact_id()"
+    if blocker == "xid-only":
+        # A transaction that took an xid and wrote nothing the relay sees.
+        blocker_dsn, blocker_sql = private_backend_dsn, "SELECT pg_current_xact_id()"
     else:
         async with await psycopg.AsyncConnection.connect(
             private_backend_dsn, autocommit=True

@@ -116,6 +116,7 @@ async def test_a_changed_function_file_is_applied_again_once_with_the_files_afte
         "backend/0002_both_directions",
         "backend/0003_snapshots",
         "backend/functions/enqueue.sql",
+        "backend/functions/horizon.sql",
         "backend/functions/relay.sql",
         "backend/functions/snapshot.sql",
         "backend/functions/track.sql",

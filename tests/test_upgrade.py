@@ -106,6 +106,7 @@ async def test_a_pre_release_database_is_adopted_as_the_baseline_and_keeps_every
         "backend/0002_both_directions",
         "backend/0003_snapshots",
         "backend/functions/enqueue.sql",
+        "backend/functions/horizon.sql",
         "backend/functions/relay.sql",
         "backend/functions/snapshot.sql",
         "backend/functions/track.sql",

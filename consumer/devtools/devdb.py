@@ -269,9 +269,11 @@ class PrivateCluster:
             if self.durable
             else "-c fsync=off -c synchronous_commit=off -c full_page_writes=off "
         )
+        # Prepared transactions allowed: tests hold the read horizon with one.
         options = (
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} "
-            f"{durability}-c max_connections=200 -c shared_buffers=256MB"
+            f"{durability}-c max_connections=200 -c shared_buffers=256MB "
+            "-c max_prepared_transactions=8"
         )
         self._run(
             "pg_ctl",

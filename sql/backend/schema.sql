@@ -3,7 +3,8 @@
 -- It holds the outbox, the consumers' positions and leadership, the wake-up, the dead-letter
 -- queue, this node's name and the row versions of tables tracked both ways, and the roles and
 -- grants that keep producers out of all of it; then, through psql's \ir, the function files
--- (functions/enqueue.sql: sync.enqueue, an event that is not a row; functions/relay.sql: the
+-- (functions/enqueue.sql: sync.enqueue, an event that is not a row; functions/horizon.sql:
+-- sync.read_horizon, how far consumers may read; functions/relay.sql: the
 -- relay's helpers and the view of what is tracked; functions/snapshot.sql: writing a snapshot;
 -- functions/track.sql: sync.track, which generates the relay of a table, and sync.untrack),
 -- each of which lives in that one file only.
@@ -444,6 +445,7 @@ $revoke$;
 
 -- == The relay ==================================================================================
 \ir functions/enqueue.sql
+\ir functions/horizon.sql
 \ir functions/relay.sql
 \ir functions/snapshot.sql
 \ir functions/track.sql
