@@ -62,7 +62,14 @@ from opentelemetry.trace import SpanKind
 
 from consumer.core import failpoints
 from consumer.core.errors import first_line
-from consumer.core.events import Batch, DeliveryError, Failure, Outcome, json_members
+from consumer.core.events import (
+    Batch,
+    DeliveryError,
+    EntryKey,
+    Failure,
+    Outcome,
+    json_members,
+)
 from consumer.observability.instruments import tracer
 
 log = logging.getLogger("serversync.jetstream")
@@ -446,7 +453,7 @@ def _describe(exc: BaseException) -> str:
 # -- the sink ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Message:
     """One entry as it is published."""
 
@@ -461,10 +468,6 @@ class _Message:
         "name: value" line per header, a blank line."""
         lines = sum(len(k) + len(v) + 4 for k, v in self.headers.items())
         return len(b"NATS/1.0\r\n") + lines + 2
-
-    def wire_size(self) -> int:
-        """Its size as the server counts it against max_payload: headers and body."""
-        return self.header_size() + len(self.body)
 
 
 @dataclass(frozen=True)
@@ -560,31 +563,47 @@ class JetStreamSink:
         or already processed when every message was a duplicate; else a DeliveryError."""
         if self._id_source is None:
             self._id_source = await self._read_source()
-        messages = [self._message(raw) for raw in batch.raw_entries()]
+        keyed = batch.keyed_entries()
+        if keyed is not None:
+            messages = [self._message(raw, key) for key, raw in keyed]
+        else:
+            messages = [self._message(raw) for raw in batch.raw_entries()]
         # JetStream refuses headers over 64 KiB (an entity id that long): refused here, before
         # anything is sent, as content (the event is parked).
-        for message in messages:
-            if message.header_size() > MAX_HEADER_BYTES:
-                raise DeliveryError(
-                    f"the headers of seq {message.seq} are {message.header_size()} bytes (its "
-                    f"entity id is {len(message.entity[1])} characters), over JetStream's limit "
-                    f"of {MAX_HEADER_BYTES} bytes",
-                    failure=Failure.REFUSED,
-                    code="NATS_HEADER_SIZE",
-                )
+        header_sizes = [message.header_size() for message in messages]
+        if messages and max(header_sizes) > MAX_HEADER_BYTES:
+            size, message = next(
+                (size, message)
+                for size, message in zip(header_sizes, messages, strict=True)
+                if size > MAX_HEADER_BYTES
+            )
+            raise DeliveryError(
+                f"the headers of seq {message.seq} are {size} bytes (its entity id is "
+                f"{len(message.entity[1])} characters), over JetStream's limit of "
+                f"{MAX_HEADER_BYTES} bytes",
+                failure=Failure.REFUSED,
+                code="NATS_HEADER_SIZE",
+            )
         link = await self._client()
         nc = link.nc
         # The server's limit on one message, headers included: a message over it would make
         # the server close the connection, so it is refused here, before anything is sent.
         limit = nc.max_payload
-        for message in messages:
-            if message.wire_size() > limit:
-                raise DeliveryError(
-                    f"the message of seq {message.seq} ({message.wire_size()} bytes with its "
-                    f"headers) is over the server's max_payload of {limit} bytes",
-                    failure=Failure.REFUSED,
-                    code="NATS_MAX_PAYLOAD",
-                )
+        wire_sizes = [
+            size + len(message.body) for size, message in zip(header_sizes, messages, strict=True)
+        ]
+        if messages and max(wire_sizes) > limit:
+            size, message = next(
+                (size, message)
+                for size, message in zip(wire_sizes, messages, strict=True)
+                if size > limit
+            )
+            raise DeliveryError(
+                f"the message of seq {message.seq} ({size} bytes with its headers) is over the "
+                f"server's max_payload of {limit} bytes",
+                failure=Failure.REFUSED,
+                code="NATS_MAX_PAYLOAD",
+            )
         attributes: dict[str, str | int] = {
             "messaging.system": "nats",
             "messaging.destination.name": self.stream.name,
@@ -617,23 +636,12 @@ class JetStreamSink:
         )
         return source
 
-    def _message(self, raw: bytes) -> _Message:
-        """An entry as its message; the body is the entry exactly as the outbox gave it."""
-        try:
-            entry = orjson.loads(raw)
-            entity_type: str = entry["entityType"]
-            entity_id: str = entry["entityId"]
-            op: str = entry["op"]
-            seq: int = entry["seq"]
-        except orjson.JSONDecodeError:
-            # orjson refuses what a payload may hold (an integer over 64 bits, a lone
-            # surrogate, deep nesting): the fields are cut out of the entry's text instead,
-            # ten times slower, the payload never decoded.
-            members = json_members(raw.decode())
-            entity_type = orjson.loads(members["entityType"])
-            entity_id = orjson.loads(members["entityId"])
-            op = orjson.loads(members["op"])
-            seq = int(members["seq"])
+    def _message(self, raw: bytes, key: EntryKey | None = None) -> _Message:
+        """An entry as its message; the body is the entry exactly as the outbox gave it. The
+        entry's key as its row held it, when known; else it is read from the entry."""
+        if key is None:
+            key = _entry_key(raw)
+        seq, op, entity_type, entity_id = key
         headers = {
             MSG_ID_HEADER: message_id(self._id_source, self.name, seq),
             EXPECTED_STREAM_HEADER: self.stream.name,
@@ -915,6 +923,24 @@ class _Publication:
             await self._send(later.popleft())
         else:
             del self.held[message.entity]
+
+
+def _entry_key(raw: bytes) -> EntryKey:
+    """The key of an entry read from its JSON."""
+    try:
+        entry = orjson.loads(raw)
+        return EntryKey(entry["seq"], entry["op"], entry["entityType"], entry["entityId"])
+    except orjson.JSONDecodeError:
+        # orjson refuses what a payload may hold (an integer over 64 bits, a lone surrogate,
+        # deep nesting): the fields are cut out of the entry's text instead, ten times slower,
+        # the payload never decoded.
+        members = json_members(raw.decode())
+        return EntryKey(
+            int(members["seq"]),
+            orjson.loads(members["op"]),
+            orjson.loads(members["entityType"]),
+            orjson.loads(members["entityId"]),
+        )
 
 
 def _connection_error(exc: nats.errors.Error) -> DeliveryError:

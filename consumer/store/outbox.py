@@ -17,7 +17,7 @@ from consumer.store.admin import UnknownConsumerError
 from consumer.store.dlq import park_parameters
 from consumer.store.new_consumers import Registration, StartFrom, register_consumer
 from consumer.store.queries import query
-from consumer.wire.entries import encode_entries
+from consumer.wire.entries import encode_entries, encode_keyed_entries
 
 
 class FencedError(Exception):
@@ -96,6 +96,7 @@ class OutboxStore:
             min_seq=min(seqs),
             max_seq=max(seqs),
             write_entries=functools.partial(encode_entries, ours, local_node=local_node),
+            write_keyed=functools.partial(encode_keyed_entries, ours, local_node=local_node),
         )
         return ReadResult(batch, held_back, full=len(rows) == limit, running=running)
 
