@@ -216,6 +216,31 @@ async def test_another_database_s_open_transaction_holds_nothing_back(
         assert [e["payload"]["caller_number"] for e in last.entries()] == ["after-prepared"]
 
 
+async def test_a_caller_s_own_uncommitted_rows_are_never_below_the_horizon(
+    private_backend_dsn: str, private_cluster: PrivateCluster
+) -> None:
+    """The caller's own xid is not in its snapshot's running list: the horizon stays at or below
+    it, though every transaction that is running is another database's."""
+    other = await psycopg.AsyncConnection.connect(private_cluster.dsn)
+    ours = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    async with other, ours:
+        await other.execute("SELECT pg_current_xact_id()")
+        await ours.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) VALUES ('mine', '0')"
+        )
+        # A later transaction commits: the snapshot's xmax passes the caller's own xid.
+        await insert_call(private_backend_dsn, "later")
+        cur = await ours.execute(
+            "WITH h AS MATERIALIZED (SELECT sync.read_horizon(pg_current_snapshot()) AS x)"
+            " SELECT (SELECT x FROM h) <= pg_current_xact_id(),"
+            " (SELECT count(*) FROM sync.events_outbox o, h WHERE o.txid < h.x"
+            "  AND o.txid = pg_current_xact_id())"
+        )
+        assert await cur.fetchone() == (True, 0)
+        await ours.rollback()
+        await other.rollback()
+
+
 def _scans_of(plan: dict[str, Any], relation: str) -> list[str]:
     """The node types of every scan of `relation` in an EXPLAIN (FORMAT JSON) plan tree."""
     found = [plan["Node Type"]] if plan.get("Relation Name") == relation else []

@@ -117,7 +117,9 @@ class Batch:
 
     def raw_entries(self) -> list[bytes]:
         """Each entry's JSON exactly as the outbox gave it (no number is re-encoded)."""
-        if self._entries_json is None and (self._keyed or self._write_keyed) is not None:
+        if self._entries_json is None and (
+            self._keyed is not None or self._write_keyed is not None
+        ):
             keyed = self.keyed_entries()
             assert keyed is not None
             return [raw for _, raw in keyed]

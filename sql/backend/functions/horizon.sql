@@ -20,24 +20,36 @@
 --
 -- pg_stat_activity reads a backend's database and its xid at two moments, so a backend slot
 -- taken over in between could pair the old backend's database with the new backend's xid. That
--- cannot hide a transaction of this database: the activity is read after the snapshot (the
--- transaction's cached copy is cleared first), so a backend that took a slot after the read began
--- took its xid after the snapshot too, and such an xid is never among the snapshot's running
--- ones (pg_snapshot_xip lists only xids below the snapshot's xmax).
+-- cannot hide a transaction of this database: a backend clears its activity entry before it gives
+-- up its slot (PostgreSQL runs its exit hooks in that order), so an entry that shows the old
+-- backend was read while the old backend still held the slot; the activity is read after the
+-- snapshot (the transaction's cached copy is cleared first), so a backend that took the slot
+-- after that took its xid after the snapshot too, and such an xid is never among the snapshot's
+-- running ones (pg_snapshot_xip lists only xids below the snapshot's xmax).
 --
--- It costs nothing while no transaction runs (xmin = xmax), and one read of the server's
--- backend list (tens of microseconds) otherwise. No SECURITY DEFINER: it reads only what
--- every role may read.
+-- The caller's own xid, when it has one, is below the snapshot's xmin but not in its running
+-- list: the horizon stays below it, so that a caller's own uncommitted rows are never read as
+-- final. On a hot standby the running list is empty (every running xid is in the snapshot's
+-- sub-transaction list, which pg_snapshot_xip does not show): there the horizon is xmin.
+--
+-- It costs nothing while no transaction runs (xmin = xmax), and one copy of the server's
+-- backend list otherwise (tens of microseconds at a hundred connections; it grows with
+-- max_connections and track_activity_query_size). No SECURITY DEFINER: it reads only what every
+-- role may read. VOLATILE, and to be evaluated once per statement (a MATERIALIZED CTE): it reads
+-- live state, so two calls in one statement may disagree, and rows tested against different
+-- horizons could be read out of order.
 CREATE OR REPLACE FUNCTION sync.read_horizon(snapshot pg_snapshot) RETURNS xid8
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    horizon xid8;
 BEGIN
-    IF pg_snapshot_xmin(snapshot) = pg_snapshot_xmax(snapshot) THEN
+    IF pg_snapshot_xmin(snapshot) = pg_snapshot_xmax(snapshot) OR pg_is_in_recovery() THEN
         RETURN pg_snapshot_xmin(snapshot);
     END IF;
     PERFORM pg_stat_clear_snapshot();
-    RETURN coalesce(
+    horizon := coalesce(
         (SELECT min(x)
          FROM pg_snapshot_xip(snapshot) AS x
          WHERE x::xid NOT IN (
@@ -47,5 +59,6 @@ BEGIN
                AND a.datid <> (SELECT d.oid FROM pg_database d
                                WHERE d.datname = current_database()))),
         pg_snapshot_xmax(snapshot));
+    RETURN least(horizon, pg_current_xact_id_if_assigned());
 END;
 $$;
