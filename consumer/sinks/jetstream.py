@@ -571,12 +571,8 @@ class JetStreamSink:
         # JetStream refuses headers over 64 KiB (an entity id that long): refused here, before
         # anything is sent, as content (the event is parked).
         header_sizes = [message.header_size() for message in messages]
-        if messages and max(header_sizes) > MAX_HEADER_BYTES:
-            size, message = next(
-                (size, message)
-                for size, message in zip(header_sizes, messages, strict=True)
-                if size > MAX_HEADER_BYTES
-            )
+        if over := _first_over(MAX_HEADER_BYTES, header_sizes, messages):
+            size, message = over
             raise DeliveryError(
                 f"the headers of seq {message.seq} are {size} bytes (its entity id is "
                 f"{len(message.entity[1])} characters), over JetStream's limit of "
@@ -592,12 +588,8 @@ class JetStreamSink:
         wire_sizes = [
             size + len(message.body) for size, message in zip(header_sizes, messages, strict=True)
         ]
-        if messages and max(wire_sizes) > limit:
-            size, message = next(
-                (size, message)
-                for size, message in zip(wire_sizes, messages, strict=True)
-                if size > limit
-            )
+        if over := _first_over(limit, wire_sizes, messages):
+            size, message = over
             raise DeliveryError(
                 f"the message of seq {message.seq} ({size} bytes with its headers) is over the "
                 f"server's max_payload of {limit} bytes",
@@ -923,6 +915,17 @@ class _Publication:
             await self._send(later.popleft())
         else:
             del self.held[message.entity]
+
+
+def _first_over(
+    limit: int, sizes: list[int], messages: list[_Message]
+) -> tuple[int, _Message] | None:
+    """The first message whose size is over `limit`, with its size; None when none is."""
+    if not sizes or max(sizes) <= limit:
+        return None
+    return next(
+        (size, message) for size, message in zip(sizes, messages, strict=True) if size > limit
+    )
 
 
 def _entry_key(raw: bytes) -> EntryKey:
