@@ -21,6 +21,16 @@
 -- wait, and will commit without a NOTIFY: the caller re-checks at its re-check interval), and 0
 -- when none of this database runs.
 --
+-- A snapshot does not list every running transaction: one whose xid is at or beyond its xmax
+-- (no later xid has ended yet) is running for it without being in pg_snapshot_xip. A producer
+-- can take such an xid after the consumer's announcement took its own, yet check the count of
+-- waiting consumers before the announcement changed it, and so commit without a NOTIFY. So a
+-- read made while the consumer's wait is announced (`announced`), when the snapshot shows none
+-- of this database running, asks pg_stat_activity whether a backend of this database holds an
+-- xid: then it says 1 and the consumer re-checks instead of sleeping until the poll timer. The
+-- activity is read after the snapshot, and such a producer took its xid before the announcement
+-- ended, so it is seen while it runs.
+--
 -- One row per event, in delivery order, each carrying the horizon's state; with no event, one row
 -- of NULLs that still carries it. The LATERAL subquery refers to the horizon, so PostgreSQL can only
 -- run it as a nested loop under the horizon's single row, and the rows come out in the index
@@ -35,7 +45,13 @@ WITH snapshot AS MATERIALIZED (
     FROM pg_current_snapshot() AS s
 ), horizon AS MATERIALIZED (
     SELECT t.xmin,
-           CASE WHEN t.xmin = t.xmax THEN 0
+           CASE WHEN t.xmin = t.xmax THEN
+                     CASE WHEN %(announced)s AND EXISTS (
+                              SELECT FROM pg_stat_activity a
+                              WHERE a.backend_xid IS NOT NULL
+                                AND a.datid = (SELECT d.oid FROM pg_database d
+                                               WHERE d.datname = current_database()))
+                          THEN 1 ELSE 0 END
                 WHEN (SELECT max(w.txid) FROM sync.events_outbox w)
                      >= greatest(t.xmin, %(txid)s::xid8) THEN 2
                 ELSE 1

@@ -10,6 +10,7 @@ and make the timing assertions meaningless.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -263,7 +264,7 @@ async def test_the_held_back_probe_reads_the_index_not_the_outbox(private_backen
         rows = await fetch_all(
             private_backend_dsn,
             sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + sql.SQL(query("read_batch")),
-            {"txid": "0", "seq": 0, "limit": 100, "consumer": CONSUMER},
+            {"txid": "0", "seq": 0, "limit": 100, "consumer": CONSUMER, "announced": False},
         )
         await blocker.rollback()
     plan = rows[0][0][0]["Plan"]
@@ -353,6 +354,57 @@ async def test_an_event_written_before_the_wait_was_announced_arrives_by_the_rec
             assert runtime.stats.notify_wakeups == 0
             assert runtime.stats.poll_wakeups == 0
     assert sink.entries[0]["payload"]["caller_number"] == "early"
+
+
+async def test_a_producer_that_missed_the_announcement_is_seen_running_though_no_snapshot_lists_it(
+    private_backend_dsn: str,
+) -> None:
+    """The announcement takes its xid, then counts the waiting consumers. A producer that takes
+    a later xid and checks the count before it changes commits without a NOTIFY, and while it
+    runs no snapshot lists it (its xid is at the snapshot's xmax: no later one has ended). Here
+    the count waits on its advisory lock while the producer writes; the read made with the wait
+    announced must still say that a transaction runs, so that the consumer re-checks rather
+    than sleeping until the poll timer."""
+    recount = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    producer = await psycopg.AsyncConnection.connect(private_backend_dsn)
+    async with recount, producer, open_pool(private_backend_dsn, "test-read") as pool:
+        store = OutboxStore(pool)
+        await recount.execute("SELECT pg_advisory_xact_lock(hashtext('sync.waiting_consumers'))")
+        announcing = asyncio.create_task(store.set_waiting(CONSUMER, True))
+        waiting_xids: list[str] = []
+
+        async def announcement_waits() -> bool:
+            rows = await fetch_all(
+                private_backend_dsn,
+                "SELECT backend_xid::text FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                " AND datname = current_database() AND backend_xid IS NOT NULL",
+            )
+            waiting_xids[:] = [row[0] for row in rows]
+            return bool(waiting_xids)
+
+        await wait_until(announcement_waits, what="the announcement waiting for the count's lock")
+        (announcer_xid,) = waiting_xids
+        await producer.execute(
+            "INSERT INTO call_logs (caller_number, callee_number) VALUES ('unannounced', '0')"
+        )
+        producer_xid = await (
+            await producer.execute("SELECT pg_current_xact_id()::text")
+        ).fetchone()
+        assert producer_xid is not None and int(producer_xid[0]) > int(announcer_xid)
+        await recount.commit()
+        await announcing
+        snapshot = await fetch_value(private_backend_dsn, "SELECT pg_current_snapshot()::text")
+        assert int(snapshot.split(":")[1]) <= int(producer_xid[0]), snapshot
+
+        announced = await store.read_batch(Position.start(), 100, announced=True)
+        assert (announced.batch, announced.running) == (None, True)
+        # Without the announcement, the same snapshot says nothing runs (a consumer that has
+        # not announced its wait is not asleep on a NOTIFY).
+        unannounced = await store.read_batch(Position.start(), 100)
+        assert (unannounced.batch, unannounced.running) == (None, False)
+        await producer.commit()
+        batch = await read_when_ready(store, Position.start())
+        assert [e["payload"]["caller_number"] for e in batch.entries()] == ["unannounced"]
 
 
 # -- lost NOTIFY and no NOTIFY ------------------------------------------------------------------

@@ -176,7 +176,9 @@ class Pipeline:
         )
 
     async def _read(self, position: Position, limit: int) -> ReadResult:
-        return await self.store.read_batch(position, limit, **self._read_options)
+        return await self.store.read_batch(
+            position, limit, announced=self.waiting.announced, **self._read_options
+        )
 
     async def _sleep(self, *, held_back: bool, running: bool) -> None:
         """Nothing to read: sleep until a NOTIFY, the poll timer or the re-check timer: soon at

@@ -48,6 +48,11 @@ class WaitingFlag:
         self._lingered = False
         self._reconnects = listener.reconnects if listener is not None else 0
 
+    @property
+    def announced(self) -> bool:
+        """Whether producers are told that this consumer waits (the flag is set)."""
+        return self._waiting
+
     async def start(self) -> None:
         """At the start of a lead: a flag left set by an earlier process is cleared."""
         if self.listener is not None:

@@ -67,6 +67,7 @@ class OutboxStore:
         *,
         local_node: str | None = None,
         consumer: str | None = None,
+        announced: bool = False,
     ) -> ReadResult:
         """Up to `limit` events after `after` whose transactions have all ended (gap-safe).
 
@@ -74,11 +75,19 @@ class OutboxStore:
         here carry; None leaves it out of them. Rows of a snapshot for one consumer
         (target_consumer) are read by every consumer, to move past them, and left out of the
         batch of every other than `consumer`: a batch may then have no entry (count 0), and
-        still ends after them."""
+        still ends after them. `announced`: the consumer's wait is announced, so the read also
+        counts as running a transaction its snapshot cannot list (see read_batch in
+        sql/queries.sql)."""
         async with self._pool.connection() as conn:
             cur = await conn.execute(
                 query("read_batch"),
-                {"txid": str(after.txid), "seq": after.seq, "limit": limit, "consumer": consumer},
+                {
+                    "txid": str(after.txid),
+                    "seq": after.seq,
+                    "limit": limit,
+                    "consumer": consumer,
+                    "announced": announced,
+                },
                 prepare=True,
                 binary=True,
             )

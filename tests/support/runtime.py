@@ -89,9 +89,12 @@ class WatchedStore(OutboxStore):
         *,
         local_node: str | None = None,
         consumer: str | None = None,
+        announced: bool = False,
     ) -> ReadResult:
         """OutboxStore.read_batch, counted."""
-        result = await super().read_batch(after, limit, local_node=local_node, consumer=consumer)
+        result = await super().read_batch(
+            after, limit, local_node=local_node, consumer=consumer, announced=announced
+        )
         self.reads += 1
         self.full_reads += result.full
         self.held_back_reads += result.held_back
