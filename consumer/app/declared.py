@@ -27,15 +27,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, HttpUrl, ValidationError, model_validator
 
 from consumer.app.jetstream_kind import JetStreamConsumer
-from consumer.app.settings import CONSUMER_NAME, ConfigError, parse_secrets
+from consumer.app.settings import CONSUMER_NAME, ENV_NAME, ConfigError, parse_secrets, read_secret
 
 __all__ = ["ConsumersFile", "Declaration", "DeclaredConsumer", "JetStreamConsumer", "load"]
 
 # A table of sink "jetstream" is checked by JetStreamConsumer (load); it is named here too, so
 # the message for a sink that does not exist lists every one.
 SinkName = Literal["json", "recording-upload", "null", "jetstream"]
-# An environment variable's name, as a shell and systemd's EnvironmentFile take it.
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class DeclaredConsumer(BaseModel):
@@ -48,7 +46,7 @@ class DeclaredConsumer(BaseModel):
     url: HttpUrl | None = None
     # Where its shared secret is: an environment variable, or a file (its content, blanks
     # around it ignored). Neither: SYNC_SHARED_SECRET, as for the built-in consumers.
-    secret_env: str | None = Field(None, pattern=_ENV_NAME)
+    secret_env: str | None = Field(None, pattern=ENV_NAME)
     secret_file: Path | None = None
     # The entity types it sends; the others are passed over. Absent: every type.
     entity_types: tuple[str, ...] | None = Field(None, min_length=1)
@@ -81,26 +79,19 @@ class DeclaredConsumer(BaseModel):
         """The secret this consumer signs with (the first of its list), read now; `fallback`
         (SYNC_SHARED_SECRET's) when the declaration names none. A ConfigError names the
         variable or the file, never the secret."""
-        env = os.environ if environ is None else environ
-        what = f"consumer {name}"
-        if self.secret_env is not None:
-            value = env.get(self.secret_env)
-            if value is None:
-                raise ConfigError(
-                    f"{what}: {self.secret_env} is not set (its secret_env, the variable that "
-                    "holds its shared secret)"
-                )
-            return parse_secrets(value, f"{what}: {self.secret_env}")[0]
-        if self.secret_file is not None:
-            try:
-                value = self.secret_file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-                raise ConfigError(
-                    f"{what}: cannot read its secret_file {self.secret_file}: {reason or exc}"
-                ) from None
-            return parse_secrets(value.strip(), f"{what}: secret_file {self.secret_file}")[0]
-        return fallback
+        owner = f"consumer {name}"
+        found = read_secret(
+            owner,
+            "secret",
+            self.secret_env,
+            self.secret_file,
+            os.environ if environ is None else environ,
+            holds="shared secret",
+        )
+        if found is None:
+            return fallback
+        value, source = found
+        return parse_secrets(value, f"{owner}: {source}")[0]
 
 
 class ConsumersFile(BaseModel):

@@ -40,7 +40,7 @@ import psycopg
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from consumer.app.settings import CONSUMER_NAME, ConfigError, SyncSettings
+from consumer.app.settings import CONSUMER_NAME, ENV_NAME, ConfigError, SyncSettings, read_secret
 from consumer.app.startup import StartupError
 from consumer.core.errors import first_line
 from consumer.core.events import DeliveryError, Sink
@@ -52,8 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("serversync")
 
-# An environment variable's name (as declared.py takes it).
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # A stream name JetStream takes, also as a file name on every server: no '.', '*', '>', blanks
 # or path separators.
 STREAM_NAME = r"^[A-Za-z0-9_-]{1,255}$"
@@ -92,9 +90,9 @@ class JetStreamConsumer(BaseModel):
     # One way to log in, or none: user with password_env or password_file; token_env or
     # token_file; nkey_seed_file.
     user: str | None = Field(None, min_length=1)
-    password_env: str | None = Field(None, pattern=_ENV_NAME)
+    password_env: str | None = Field(None, pattern=ENV_NAME)
     password_file: Path | None = None
-    token_env: str | None = Field(None, pattern=_ENV_NAME)
+    token_env: str | None = Field(None, pattern=ENV_NAME)
     token_file: Path | None = None
     nkey_seed_file: Path | None = None
     # TLS: the CA that signed the servers' certificates, and a client certificate if the
@@ -180,25 +178,14 @@ def _secret(
     name: str, what: str, variable: str | None, path: Path | None, env: Mapping[str, str]
 ) -> str | None:
     """The secret in `variable` or the file at `path` (blanks around it ignored), or None when
-    neither is given."""
-    where = f"consumer {name}"
-    if variable is not None:
-        value = env.get(variable)
-        if value is None:
-            raise ConfigError(f"{where}: {variable} is not set (its {what}_env)")
-        source = variable
-    elif path is not None:
-        try:
-            value = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ConfigError(f"{where}: cannot read its {what}_file {path}: {reason}") from None
-        source = f"{what}_file {path}"
-    else:
+    neither is given; an empty one is a ConfigError."""
+    owner = f"consumer {name}"
+    found = read_secret(owner, what, variable, path, env, holds=what)
+    if found is None:
         return None
-    value = value.strip()
+    value, source = found
     if not value:
-        raise ConfigError(f"{where}: {source} is empty (its {what})")
+        raise ConfigError(f"{owner}: {source} is empty (its {what})")
     return value
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -12,7 +13,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from consumer.observability.redact import mask_secrets
 from consumer.runtime.config import RuntimeConfig
 
-__all__ = ["CONSUMER_NAME", "ConfigError", "ReceiverSettings", "SyncSettings", "load"]
+__all__ = [
+    "CONSUMER_NAME",
+    "ENV_NAME",
+    "ConfigError",
+    "ReceiverSettings",
+    "SyncSettings",
+    "load",
+    "read_secret",
+]
 
 
 class ConfigError(Exception):
@@ -27,6 +36,9 @@ PLACEHOLDER = "CHANGE_ME"
 _UNECHOED = frozenset({"SYNC_SHARED_SECRET", "SYNC_ADMIN_TOKEN"})
 # A consumer's name, and a node's (sync.consumer_offsets' CHECK and sync.node hold the same rule).
 CONSUMER_NAME = r"^[a-z][a-z0-9_-]{0,62}$"
+# An environment variable's name, as a shell and systemd's EnvironmentFile take it (a declared
+# consumer's *_env keys).
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
 def _secret_list(value: str | None) -> str | None:
@@ -69,6 +81,39 @@ def parse_secrets(value: str, what: str) -> tuple[str, ...]:
         raise ConfigError(f"{what}: {exc.message()}") from None
     assert checked is not None
     return tuple(checked.split(","))
+
+
+def read_secret(
+    owner: str,
+    key: str,
+    variable: str | None,
+    path: Path | None,
+    environ: Mapping[str, str],
+    *,
+    holds: str,
+) -> tuple[str, str] | None:
+    """A declared secret, read now: the value of the environment variable `variable` (its
+    `<key>_env`) or the content of the file at `path` (its `<key>_file`), blanks around it
+    stripped, with where it was read; None when neither is given. A ConfigError, starting with
+    `owner`, names the variable or the file, never the secret; `holds` says what it is."""
+    if variable is not None:
+        value = environ.get(variable)
+        if value is None:
+            raise ConfigError(
+                f"{owner}: {variable} is not set (its {key}_env, the variable that holds its "
+                f"{holds})"
+            )
+        return value.strip(), variable
+    if path is not None:
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(
+                f"{owner}: cannot read its {key}_file {path}: {reason or exc}"
+            ) from None
+        return value.strip(), f"{key}_file {path}"
+    return None
 
 
 def _unset_when_empty(value: object) -> object:

@@ -118,10 +118,10 @@ class Pipeline:
                         # A read-ahead found nothing new: settle what is out, then look again.
                         if not await self._finish_all(in_flight):
                             return
-                    elif result.held_back and self._recheck.upcoming() <= QUIET_RECHECK_SEC:
-                        await self._sleep(held_back=True, running=True)
-                    elif not await self.waiting.read_again():
-                        await self._sleep(held_back=result.held_back, running=result.running)
+                    elif (
+                        result.held_back and self._recheck.upcoming() <= QUIET_RECHECK_SEC
+                    ) or not await self.waiting.read_again():
+                        await self._sleep(result)
                     continue
                 pacer.observe(batch.count)
                 in_flight.append(self._start_delivery(batch))
@@ -180,19 +180,19 @@ class Pipeline:
             position, limit, announced=self.waiting.announced, **self._read_options
         )
 
-    async def _sleep(self, *, held_back: bool, running: bool) -> None:
+    async def _sleep(self, read: ReadResult) -> None:
         """Nothing to read: sleep until a NOTIFY, the poll timer or the re-check timer: soon at
         first, backing off to the re-check interval, while committed events wait behind an older
         open transaction; the re-check interval while transactions merely run (one may have
         written an outbox row before the wait was announced, and its commit sends no NOTIFY)."""
-        if held_back:
+        if read.held_back:
             timeout = self._recheck.next_delay()
-        elif running:
+        elif read.running:
             timeout = self.config.recheck_interval
         else:
             timeout = self.config.poll_interval
         reason = await wait_for_work(
-            self.steps, self.stats, self.wakeup, timeout, held_back=held_back or running
+            self.steps, self.stats, self.wakeup, timeout, held_back=read.held_back or read.running
         )
         count_wakeup(self.consumer, self.stats, reason)
 

@@ -20,6 +20,7 @@ from consumer.devtools.nats_cluster import (
     StoredMessage,
     connected,
     nats_server_binary,
+    running_cluster,
 )
 
 __all__ = [
@@ -54,17 +55,14 @@ async def nats_cluster(
 ) -> AsyncIterator[NatsCluster]:
     """A running cluster of `size` nodes under `root` (skips without nats-server); killed at
     the end, whatever the test did to it."""
-    cluster = NatsCluster(
+    async with running_cluster(
         require_nats_server(),
         root / "nats",
+        show_logs=True,
         max_payload=max_payload,
         size=size,
         extra=extra,
         credentials=credentials or {},
         cluster_name=CLUSTER_NAME,
-    )
-    try:
-        await cluster.start()
+    ) as cluster:
         yield cluster
-    finally:
-        cluster.close(show_logs=True)
