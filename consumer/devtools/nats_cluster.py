@@ -4,9 +4,9 @@ directory under `root`. The tests (tests/support/nats_cluster.py), the bench
 (`python -m bench jetstream`) and the demo start it from here.
 
 Nodes can be SIGKILLed and started again on the same store; every start is waited on with a
-deadline (the node's /healthz, then a JetStream API request answered through it), never slept
-on. A stream's messages are read back through a pull consumer, as a downstream service reads
-them.
+deadline (the node's /healthz, a JetStream API request answered through it, then a stream placed
+on every node), never slept on. A stream's messages are read back through a pull consumer, as a
+downstream service reads them.
 
 This module imports nats-py (the `jetstream` extra): import it only where a cluster is wanted.
 """
@@ -39,6 +39,10 @@ DEBIAN_BINARY = "/usr/sbin/nats-server"
 CLUSTER_NAME = "serversync-dev"
 # How to get one, for the lines that say a cluster cannot be started.
 INSTALL_HINT = "Debian: apt-get install nats-server"
+# A stream made and deleted once every node runs, to wait until the cluster can place a stream
+# with a replica on each node (a meta leader may be elected while a node's routes still churn,
+# and a stream made then is refused: "no suitable peers for placement").
+PLACEMENT_PROBE = "SERVERSYNC_PLACEMENT_PROBE"
 
 
 def nats_server_binary() -> str | None:
@@ -183,7 +187,8 @@ class NatsCluster:
 
     async def start(self, nodes: Sequence[Node] | None = None, *, timeout: float = 30.0) -> None:
         """Start `nodes` (every node that is down when None) and wait until each serves, then
-        until the cluster's JetStream answers through each of them."""
+        until the cluster's JetStream answers through each of them, then (when every node
+        runs) until it can place a stream on all of them."""
         starting = [node for node in (nodes or self.nodes) if not node.running]
         for node in starting:
             self.launch(node)
@@ -191,6 +196,8 @@ class NatsCluster:
             await self.wait_healthy(node, timeout=timeout)
         for node in starting:
             await self.wait_jetstream(node, timeout=timeout)
+        if starting and all(node.running for node in self.nodes):
+            await self.wait_placement(timeout=timeout)
 
     def _alive(self, node: Node) -> None:
         if not node.running:
@@ -226,6 +233,28 @@ class NatsCluster:
                 return "error" not in answer
 
             await _wait(answers, timeout=timeout, what=f"JetStream through {node.name}")
+
+    async def wait_placement(self, *, timeout: float = 30.0) -> None:
+        """Until a stream with a replica on every node can be made (it is deleted at once)."""
+        config = {
+            "name": PLACEMENT_PROBE,
+            "subjects": ["serversync-placement-probe"],
+            "num_replicas": len(self.nodes),
+            "storage": "memory",
+        }
+        async with connected(self.running_urls(), **self.credentials) as nc:
+
+            async def placed() -> bool:
+                try:
+                    reply = await nc.request(
+                        f"$JS.API.STREAM.CREATE.{PLACEMENT_PROBE}", orjson.dumps(config), timeout=2
+                    )
+                except (nats.errors.Error, TimeoutError):
+                    return False
+                return "error" not in orjson.loads(reply.data)
+
+            await _wait(placed, timeout=timeout, what="a stream placed on every node")
+        await self.delete_stream(PLACEMENT_PROBE, timeout=timeout)
 
     async def stream_info(self, stream: str, *, timeout: float = 20.0) -> dict[str, Any]:
         """The stream's info (config, state, cluster), asked until a leader answers."""
