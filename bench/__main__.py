@@ -173,20 +173,19 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             await produce_calls(env.backend, events)
             await execute(env.backend, "VACUUM ANALYZE sync.events_outbox")
             figures: dict[str, Any] = {"events": events, "batch_size": args.batch_size}
-            progress("drain: (a) in-database ceiling")
-            figures["in_database"] = await drain.in_database_ceiling(env)
+            timeout = max(120.0, events / 5_000)
+            figures.update(
+                await drain.ceiling_and_http_rounds(env, args.batch_size, rounds, timeout)
+            )
             progress("drain: (b) plain Python loop")
             figures["python_loop"] = await drain.python_loop(env, args.batch_size)
             progress("drain: (c) Python read-only walk")
             figures["read_walk"] = await drain.read_walk(env, args.batch_size)
-            timeout = max(120.0, events / 5_000)
-            progress("drain: frontend-sync through HTTP into the receiver")
-            figures["product_http"] = await drain.product(env, args.batch_size, "http", timeout)
             progress("drain: the runtime alone (null sink)")
             figures["product_null"] = await drain.product(env, args.batch_size, "null", timeout)
             http = figures["product_http"]["events_per_sec"]
             figures["ratios"] = {
-                "http_to_in_database": round(http / figures["in_database"]["events_per_sec"], 3),
+                "http_to_in_database": figures["share_of_ceiling"],
                 "http_to_python_loop": round(http / figures["python_loop"]["events_per_sec"], 3),
                 "null_to_in_database": round(
                     figures["product_null"]["events_per_sec"]
@@ -331,6 +330,12 @@ def _summary(result: dict[str, Any]) -> str:
                     + ", ".join(f"{k} {v}" for k, v in f["cpu_us_per_event"].items())
                 )
         lines.append("  ratios: " + ", ".join(f"{k} {v}" for k, v in d["ratios"].items()))
+        if "rounds" in d:
+            lines.append(
+                f"  ceiling and HTTP in {len(d['rounds'])} interleaved rounds (medians above),"
+                " HTTP / ceiling each round: "
+                + ", ".join(str(r["share_of_ceiling"]) for r in d["rounds"])
+            )
         if "receivers" in d:
             lines.extend(_receivers_summary(d["receivers"]))
     for run in result.get("latency", []):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import statistics
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from bench.harness import (
     ingest_server,
     outbox_end,
     peak_rss_mb,
+    progress,
     start_service,
     watch_drain,
 )
@@ -81,21 +83,21 @@ async def in_database_ceiling(env: BenchEnv, window: int | None = None) -> dict[
     async with work, cpu_meter(env, {}) as meter:
         await meter.mark()
         started = time.perf_counter()
+        # The count from the command's tag: a RETURNING counted in a CTE would keep a row per
+        # event in a tuplestore, which spills to disk past work_mem and slows the reference.
         cur = await work.execute(
             sql.SQL(
-                "WITH applied AS (INSERT INTO bench_ref_entities AS t SELECT entity_type,"
+                "INSERT INTO bench_ref_entities AS t SELECT entity_type,"
                 " entity_id, seq, op = 'delete', payload, created_at, now() FROM {}"
                 " ON CONFLICT (entity_type, entity_id) DO UPDATE SET seq = EXCLUDED.seq,"
                 " deleted = EXCLUDED.deleted, payload = EXCLUDED.payload,"
                 " source_created_at = EXCLUDED.source_created_at,"
                 " applied_at = EXCLUDED.applied_at"
-                " WHERE t.seq < EXCLUDED.seq RETURNING 1) SELECT count(*) FROM applied"
+                " WHERE t.seq < EXCLUDED.seq"
             ).format(_window_source(window))
         )
         seconds = time.perf_counter() - started
-        row = await cur.fetchone()
-        assert row is not None
-        events = int(row[0])
+        events = cur.rowcount
         cpu = await meter.per_event(events)
     await execute(env.backend, "DROP TABLE bench_ref_entities")
     return _figures(events, seconds, cpu)
@@ -297,3 +299,48 @@ async def product(
         "receiver_peak_rss_mb": round(receiver_rss, 1) if sink == "http" else None,
         "cpu_us_per_event": cpu,
     }
+
+
+async def ceiling_and_http_rounds(
+    env: BenchEnv, batch_size: int, rounds: int, timeout: float
+) -> dict[str, Any]:
+    """The in-database ceiling and frontend-sync through HTTP, `rounds` times interleaved, each
+    round's order the other way round from the last: "in_database" and "product_http" are the
+    rounds with the median events/s, "share_of_ceiling" the median of each round's HTTP drain
+    over its own ceiling (a machine that slows down for a while weighs on both sides of one
+    round), "rounds" each round's figures."""
+    ceilings: list[dict[str, Any]] = []
+    drains: list[dict[str, Any]] = []
+    for number in range(1, rounds + 1):
+        order = ("ceiling", "http") if number % 2 else ("http", "ceiling")
+        for which in order:
+            if which == "ceiling":
+                progress(f"drain: (a) in-database ceiling, round {number}/{rounds}")
+                ceilings.append(await in_database_ceiling(env))
+            else:
+                progress(f"drain: frontend-sync through HTTP, round {number}/{rounds}")
+                drains.append(await product(env, batch_size, "http", timeout))
+    shares = [
+        drained["events_per_sec"] / ceiling["events_per_sec"]
+        for drained, ceiling in zip(drains, ceilings, strict=True)
+    ]
+    return {
+        "in_database": _median_run(ceilings),
+        "product_http": _median_run(drains),
+        "share_of_ceiling": round(statistics.median(shares), 3),
+        "rounds": [
+            {
+                "in_database_events_per_sec": round(ceiling["events_per_sec"]),
+                "http_events_per_sec": round(drained["events_per_sec"]),
+                "share_of_ceiling": round(share, 3),
+            }
+            for ceiling, drained, share in zip(ceilings, drains, shares, strict=True)
+        ],
+    }
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose events/s is the median (the lower of the middle two for an even count):
+    a real run, so its CPU figures belong to its rate."""
+    ranked = sorted(runs, key=lambda run: run["events_per_sec"])
+    return ranked[(len(ranked) - 1) // 2]

@@ -56,10 +56,12 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "met": http["events_per_sec"] >= loop["events_per_sec"],
         }
         # The receiver's apply approaching the ceiling's one statement: three quarters of it.
+        # The median of the rounds' own ratios where the run interleaved them.
+        share = drain.get("share_of_ceiling", http["events_per_sec"] / ceiling)
         checks["drain_http_share_of_ceiling"] = {
             "target": ">= 0.75 of the in-database ceiling (same run)",
-            "measured": round(http["events_per_sec"] / ceiling, 3),
-            "met": http["events_per_sec"] / ceiling >= 0.75,
+            "measured": round(share, 3),
+            "met": share >= 0.75,
         }
         checks["drain_null_sink_events_per_sec"] = {
             "target": ">= 250000",
