@@ -3,16 +3,24 @@
 TypedDicts rather than models, and the payload checked for being an object without being walked:
 validation is the receiver's hottest path (three times cheaper this way, measured with py-spy on
 the drain bench), and the payload goes to PostgreSQL untouched anyway.
+
+Before that, `quick_count` tries a narrower check that is cheaper still: msgspec decodes the
+entries in C and skips over each payload without building it (about 2 against 5.4 us an entry
+of parsing and validating for the bench's 500-byte entries). It accepts only what the full
+validation accepts, and says nothing about anything else, which the full validation then decides
+and explains.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Annotated, Any, Literal, NotRequired
 
+import msgspec
 import orjson
 from pydantic import (
     AfterValidator,
@@ -190,6 +198,61 @@ def parse_body(body: bytes) -> Any:
             # Nested deeper than this receiver validates (PostgreSQL's json takes more): a
             # refusal of this content, never a 500.
             raise ValueError("nested too deeply to validate") from None
+
+
+# The same patterns for quick_count, with re's fullmatch: ASCII only (the full validation's \d
+# also takes other scripts' digits, which quick_count leaves to it) and no "$" (which re lets
+# match before a final newline).
+_QUICK_ENTITY_TYPE = re.compile(ENTITY_TYPE_PATTERN.strip("^$"), re.ASCII)
+_QUICK_NODE = re.compile(NODE_PATTERN.strip("^$"), re.ASCII)
+_QUICK_TIMESTAMP = re.compile(TIMESTAMP_PATTERN.strip("^$"), re.ASCII)
+_OBJECT_START = ord("{")
+
+
+class _QuickEntry(msgspec.Struct):
+    """An entry as quick_count takes it: what Entry requires, with no sweep, no null snapshot,
+    and integers that are JSON integers (not 8444.0); the patterns are checked after decoding."""
+
+    entityType: str
+    entityId: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    op: Literal["upsert", "delete"]
+    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)]
+    # Skipped over as raw bytes (well-formed JSON, checked for being an object below).
+    payload: msgspec.Raw
+    createdAt: str | None = None
+    origin: str | None = None
+    snapshot: Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)] | msgspec.UnsetType = msgspec.UNSET
+
+
+class _QuickRequest(msgspec.Struct):
+    entries: Annotated[list[_QuickEntry], msgspec.Meta(max_length=50_000)]
+
+
+_QUICK_DECODER = msgspec.json.Decoder(_QuickRequest)
+
+
+def quick_count(body: bytes) -> int | None:
+    """The number of entries of a body that the full validation (parse_body, then
+    INGEST_REQUEST) certainly accepts and that holds no sweep; None when it must decide."""
+    try:
+        entries = _QUICK_DECODER.decode(body).entries
+    except msgspec.DecodeError:
+        return None
+    # A request's entries share a handful of types and origins: each distinct one checked once.
+    if not all(map(_QUICK_ENTITY_TYPE.fullmatch, {entry.entityType for entry in entries})):
+        return None
+    origins = {entry.origin for entry in entries}
+    origins.discard(None)
+    if not all(map(_QUICK_NODE.fullmatch, origins)):  # type: ignore[arg-type]
+        return None
+    created = {entry.createdAt for entry in entries}
+    created.discard(None)
+    if not all(map(_QUICK_TIMESTAMP.fullmatch, created)):  # type: ignore[arg-type]
+        return None
+    # msgspec keeps a raw value from its first byte: an object starts with "{".
+    if not all(memoryview(entry.payload)[0] == _OBJECT_START for entry in entries):
+        return None
+    return len(entries)
 
 
 def describe(exc: ValidationError) -> tuple[str, str]:

@@ -94,11 +94,18 @@ class EntityStore:
         self._pool = pool
         self._tables = tables
 
+    @property
+    def reads_entries(self) -> bool:
+        """Whether `apply` reads the validated entries (a mapping plans from them), rather
+        than only the body and its sweeps."""
+        return self._tables is not None
+
     async def apply(self, body: bytes, entries: Sequence[Mapping[str, Any]] = ()) -> int:
-        """Apply a validated request body (`entries`: its entries, as validated) in one
-        transaction; returns how many entries changed something (a sweep counts once, when it
-        tombstoned any entity). With a mapping: EntryRefused naming the entry when a mapped
-        entry lacks its version, is a sweep, or PostgreSQL refuses its data."""
+        """Apply a validated request body (`entries`: its entries, as validated; without a
+        mapping, its sweeps are enough) in one transaction; returns how many entries changed
+        something (a sweep counts once, when it tombstoned any entity). With a mapping:
+        EntryRefused naming the entry when a mapped entry lacks its version, is a sweep, or
+        PostgreSQL refuses its data."""
         if self._tables is not None:
             return await self._apply_mapped(body, entries, self._tables)
         sweeps = sweeps_of(entries)
