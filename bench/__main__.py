@@ -98,8 +98,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--rounds",
             type=int,
-            help="producer, snapshot and --receivers: interleaved repeats, each figure their median"
-            " (default 3, quick 2)",
+            help="drain (its ceiling and HTTP drain), producer, snapshot and --receivers:"
+            " interleaved repeats, each figure their median (default 3, quick 2)",
         )
         p.add_argument(
             "--receivers",
