@@ -96,6 +96,21 @@ LEFT_TO_THE_FULL_VALIDATION = [
     pytest.param(b'{"entries": [' + b"[" * 5000 + b"]" * 5000 + b"]}", None, id="deep"),
     pytest.param(b'{"entries": {}}', None, id="entries-an-object"),
     pytest.param(b"\xff", None, id="not-utf-8"),
+    pytest.param(
+        body_of(entry(payload={"a": "?"})).replace(b'"?"', b'"\xff"'), None, id="payload-not-utf-8"
+    ),
+    pytest.param(
+        body_of(entry(payload={"a": "?"})).replace(b'"?"', b'"\xed\xa0\x80"'),
+        None,
+        id="payload-an-encoded-surrogate",
+    ),
+    pytest.param(body_of(entry(extra="?")).replace(b'"?"', b'"\xff"'), None, id="extra-not-utf-8"),
+    pytest.param(body_of(entry(entityId="?")).replace(b'"?"', b'"\xff"'), None, id="id-not-utf-8"),
+    pytest.param(
+        body_of(entry(payload={"a": "?"})).replace(b'"?"', b"[" * 1000 + b"]" * 1000),
+        1,
+        id="payload-nested-1000-deep",
+    ),
 ]
 
 
