@@ -84,7 +84,7 @@ async def in_database_ceiling(env: BenchEnv, window: int | None = None) -> dict[
         await meter.mark()
         started = time.perf_counter()
         # The count from the command's tag: a RETURNING counted in a CTE would keep a row per
-        # event in a tuplestore, which spills to disk past work_mem and slows the reference.
+        # event in a tuplestore (on disk past work_mem), work the reference does not need.
         cur = await work.execute(
             sql.SQL(
                 "INSERT INTO bench_ref_entities AS t SELECT entity_type,"
