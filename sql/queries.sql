@@ -2,24 +2,24 @@
 -- A block starts with "-- name: NAME" and runs to the next such line.
 
 -- name: read_batch
--- The gap-safe read. One statement, so the horizon and the rows come from the same snapshot:
--- only transactions older than the horizon are read (sync.read_horizon: the oldest transaction
--- running when the snapshot was taken, other databases' left out); every one of them has ended
--- or is another database's, so nothing can later appear behind the position. `held_back` says that committed rows wait
--- behind the horizon for an older transaction that is still running: nothing will notify when
--- that one ends if it writes no outbox row, so the caller re-checks soon instead of waiting for
--- the poll timer. A row at or beyond the horizon that this snapshot sees is committed (a running
--- transaction's rows are not visible to it); only a running transaction (horizon < xmax) can
--- hold one back. The probe is the largest txid this snapshot sees, read backwards from the end of the
--- primary key past the running transactions' rows: a few index entries at any outbox size (an
--- EXISTS over `txid >= xmin` was planned as a sequential scan that stops at the first match, and
--- there is none when nothing waits), compared with the horizon or the position, whichever is
--- later: the horizon can step back behind the position (another database's transaction that
--- ends between the snapshot and the read of the activity is no longer known to be another
--- database's), and rows behind the position were delivered. `horizon` is 2 then, 1 while transactions run but nothing
--- committed waits (one of them may have written an outbox row before the consumer announced its
--- wait, and will commit without a NOTIFY: the caller re-checks at its re-check interval), and 0
--- when none of this database runs.
+-- The gap-safe read. One statement, so the horizon and the rows come from the same snapshot: only
+-- transactions older than the horizon are read (sync.read_horizon: the oldest transaction running
+-- when the snapshot was taken, other databases' left out); every one of them has ended or is
+-- another database's, so nothing can later appear behind the position. `held_back` says that
+-- committed rows wait behind the horizon for an older transaction that is still running: nothing
+-- will notify when that one ends if it writes no outbox row, so the caller re-checks soon instead
+-- of waiting for the poll timer. A row at or beyond the horizon that this snapshot sees is
+-- committed (a running transaction's rows are not visible to it); only a running transaction
+-- (horizon < xmax) can hold one back. The probe is the largest txid this snapshot sees, read
+-- backwards from the end of the primary key past the running transactions' rows: a few index
+-- entries at any outbox size (an EXISTS over `txid >= xmin` was planned as a sequential scan that
+-- stops at the first match, and there is none when nothing waits), compared with the horizon or the
+-- position, whichever is later: the horizon can step back behind the position (another database's
+-- transaction that ends between the snapshot and the read of the activity is no longer known to be
+-- another database's), and rows behind the position were delivered. `horizon` is 2 then, 1 while
+-- transactions run but nothing committed waits (one of them may have written an outbox row before
+-- the consumer announced its wait, and will commit without a NOTIFY: the caller re-checks at its
+-- re-check interval), and 0 when none of this database runs.
 --
 -- A snapshot does not list every running transaction: one whose xid is at or beyond its xmax
 -- (no later xid has ended yet) is running for it without being in pg_snapshot_xip. A producer

@@ -243,13 +243,11 @@ def quick_count(body: bytes) -> int | None:
     # A request's entries share a handful of types and origins: each distinct one checked once.
     if not all(map(_QUICK_ENTITY_TYPE.fullmatch, {entry.entityType for entry in entries})):
         return None
-    origins = {entry.origin for entry in entries}
-    origins.discard(None)
-    if not all(map(_QUICK_NODE.fullmatch, origins)):  # type: ignore[arg-type]
+    origins = {entry.origin for entry in entries if entry.origin is not None}
+    if not all(map(_QUICK_NODE.fullmatch, origins)):
         return None
-    created = {entry.createdAt for entry in entries}
-    created.discard(None)
-    if not all(map(_QUICK_TIMESTAMP.fullmatch, created)):  # type: ignore[arg-type]
+    created = {entry.createdAt for entry in entries if entry.createdAt is not None}
+    if not all(map(_QUICK_TIMESTAMP.fullmatch, created)):
         return None
     # msgspec keeps a raw value from its first byte: an object starts with "{".
     if not all(memoryview(entry.payload)[0] == _OBJECT_START for entry in entries):
