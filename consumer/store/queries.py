@@ -26,7 +26,14 @@ def parse_named_queries(text: str) -> dict[str, str]:
     queries: dict[str, str] = {}
     for i, match in enumerate(matches):
         end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
-        body = text[match.end() : end].strip()
+        lines = text[match.end() : end].strip().splitlines()
+        # The comment block before a statement is for readers of this file and is not sent:
+        # psycopg converts a statement of over 4 KB afresh at every execution instead of
+        # caching the conversion (the gap-safe read is one, read many times a second), and
+        # pg_stat_activity shows the statement itself.
+        while lines and lines[0].lstrip().startswith("--"):
+            del lines[0]
+        body = "\n".join(lines).strip()
         if match.group(1) in queries:
             raise ValueError(f"query {match.group(1)!r} is defined twice")
         queries[match.group(1)] = body
