@@ -30,7 +30,7 @@ def test_a_query_s_leading_comment_block_is_left_out_and_the_statement_kept_whol
 def test_every_named_query_is_short_enough_for_psycopg_to_cache_its_conversion() -> None:
     """psycopg converts a statement of over MAX_CACHED_STATEMENT_LENGTH bytes afresh (a regex
     over its whole text) at every execution: for the gap-safe read, run many times a second,
-    that was a tenth of the consumer's CPU under steady load."""
+    that was 13 us of client CPU a read instead of 2."""
     limit = psycopg_queries.MAX_CACHED_STATEMENT_LENGTH
     too_long = {
         name: len(text.encode()) for name, text in _queries().items() if len(text.encode()) > limit
