@@ -25,7 +25,10 @@ full_page_writes, synchronous_commit on), as a production server runs.
 
 Every run also reports the machine's CPU per transaction (`cpu_us_per_tx`): pgbench's, the
 consumer's, and the rest, which is PostgreSQL's; the machine is CPU-bound in these runs, so that
-figure says where each mode's transactions went.
+figure says where each mode's transactions went. On a server on this machine PostgreSQL's part is
+also split, over a window inside the run, into the producers' backends, the consumer's sessions
+(serversync's consumer, or PgQ's ticker and consumer) and the server's own processes: whether a
+consumer makes the producers' own statements dearer, or costs the server in its own sessions.
 
 Before the pgbench runs, `relay_cost_per_row` times single-row statements on one connection to
 the server, untracked, tracked and under the minimal trigger, all in one transaction and each
@@ -34,15 +37,18 @@ in its own: the relay's own cost per changed row, without pgbench's run-to-run n
 
 from __future__ import annotations
 
+import asyncio
 import re
 import resource
 import shutil
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from psycopg import conninfo, sql
 
 from bench import pgq
@@ -54,6 +60,7 @@ from bench.harness import (
     outbox_end,
     process_cpu_seconds,
     progress,
+    server_is_local,
     start_service,
     wait_for,
 )
@@ -302,11 +309,76 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# PostgreSQL's CPU by whose work it does, measured inside a run while pgbench's sessions live:
+# pgbench's backends (the producers: their statements and the trigger each fires), the
+# sessions of serversync's consumer or of PgQ's ticker and consumer (reads, ticks and offset
+# commits), and the server's own processes (WAL writer, checkpointer, autovacuum).
+SESSION_PARTS = ("postgres_producers", "postgres_consumer", "postgres_background")
+# The window leaves pgbench this long at either end (its sessions start and end there).
+SESSION_MARGIN_SEC = 0.5
+
+
+async def _sessions_split(
+    env: BenchEnv, mode: Mode, clients: int, *, ends: float, run: asyncio.Task[Any]
+) -> dict[str, float]:
+    """CPU microseconds per transaction of each of SESSION_PARTS over a window inside a pgbench
+    run (empty for a server on another machine, whose processes this one cannot read).
+
+    The window opens once all of pgbench's sessions are connected and closes before pgbench
+    ends them. Its transactions are counted by the table's id sequence, which only the inserts
+    take from (`rows` ids each): half the transactions are inserts (pgbench draws each script
+    with weight 1), so their number is twice the inserts', within a fraction of a percent at
+    these counts."""
+    if not server_is_local(env.backend) or ends - time.monotonic() < 2 * SESSION_MARGIN_SEC + 0.5:
+        return {}
+    monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
+    async with monitor:
+
+        async def connected() -> bool:
+            if run.done():
+                run.result()  # pgbench failed: raise its error, not a timeout
+            cur = await monitor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgbench'"
+            )
+            row = await cur.fetchone()
+            return row is not None and row[0] >= clients
+
+        await wait_for(connected, timeout=30, what="pgbench's sessions")
+        ids = sql.SQL("SELECT last_value FROM {}").format(sql.Identifier(f"{mode.table}_ids"))
+
+        async def sample() -> tuple[int, dict[int, tuple[str, float]]]:
+            cur = await monitor.execute(
+                "SELECT pid, backend_type = 'client backend', application_name"
+                " FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            )
+            parts = {}
+            for pid, client, name in await cur.fetchall():
+                part = "background"
+                if client:
+                    part = "producers" if name == "pgbench" else "consumer"
+                seconds = process_cpu_seconds(pid)
+                if seconds is not None:
+                    parts[pid] = (f"postgres_{part}", seconds)
+            inserted = (await (await monitor.execute(ids)).fetchone() or (0,))[0]
+            return int(inserted), parts
+
+        first_ids, first = await sample()
+        await asyncio.sleep(max(0.0, ends - SESSION_MARGIN_SEC - time.monotonic()))
+        last_ids, last = await sample()
+    transactions = 2 * (last_ids - first_ids) / mode.rows
+    used = dict.fromkeys(SESSION_PARTS, 0.0)
+    for pid, (part, seconds) in last.items():
+        # A session that connected inside the window is charged from its start.
+        used[part] += seconds - first.get(pid, (part, 0.0))[1]
+    return {part: s * 1e6 / max(transactions, 1) for part, s in used.items()}
+
+
 async def run_mode(
     env: BenchEnv, mode: Mode, seconds: int, clients: int, round_: int
 ) -> tuple[float, dict[str, float]]:
     """tps of one run of `mode`, and the machine's CPU microseconds per transaction: PostgreSQL
-    (with whatever else ran), pgbench, the consumer, their total, and the hypervisor's steal."""
+    (with whatever else ran), pgbench, the consumer, their total, and the hypervisor's steal;
+    and PostgreSQL's split by sessions over a window inside the run (SESSION_PARTS)."""
     consumer = None
     # PgQ's ticker, and its consumer in a "consumer" mode, as one process.
     pgq_part = {"ticker": "pgq_ticker", "consumer": "pgq_consumer"}.get(mode.pgq or "")
@@ -344,7 +416,10 @@ async def run_mode(
         machine_before = machine_cpu()
         pgbench_before = _children_cpu_seconds()
         consumer_before = process_cpu_seconds(consumer.pid) if consumer is not None else None
-        tps, transactions = _pgbench(env, mode, seconds, clients)
+        started = time.monotonic()
+        run = asyncio.create_task(asyncio.to_thread(_pgbench, env, mode, seconds, clients))
+        sessions = await _sessions_split(env, mode, clients, ends=started + seconds, run=run)
+        tps, transactions = await run
         if pgq_part is not None and consumer is not None:
             consumer.check_alive()  # a ticker or consumer that failed midway voids the figure
         machine_after = machine_cpu()
@@ -358,6 +433,7 @@ async def run_mode(
         used["total"] = busy
         used["steal"] = machine_after[1] - machine_before[1]
         cpu = {part: seconds_ * 1e6 / transactions for part, seconds_ in used.items()}
+        cpu.update(sessions)
         progress(
             f"    {tps:,.0f} tps; CPU us per transaction: "
             + ", ".join(f"{part} {us:.1f}" for part, us in cpu.items())
@@ -516,8 +592,14 @@ async def run_producer(
             figures["bulk_tracked_no_notify"] / figures["bulk_minimal_trigger"], 3
         ),
         # Medians over the rounds, part by part: where each mode's CPU per transaction goes.
+        # PostgreSQL's split by sessions only where every round measured it (a run too short
+        # for its window has none).
         "cpu_us_per_tx": {
-            name: {part: round(statistics.median(run[part] for run in cpus), 1) for part in cpus[0]}
+            name: {
+                part: round(statistics.median(run[part] for run in cpus), 1)
+                for part in cpus[0]
+                if all(part in run for run in cpus)
+            }
             for name, cpus in cpu_runs.items()
         },
         "relay_cost": per_row,

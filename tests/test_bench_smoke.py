@@ -30,6 +30,7 @@ from bench.producer import (
     MODES,
     RELAY_COST_TABLES,
     RELAY_VS_PGQ,
+    SESSION_PARTS,
 )
 from bench.receivers import RATIOS, RECEIVER_PARTS, RECEIVERS
 from bench.snapshot import LABELS as SNAPSHOT_LABELS
@@ -361,7 +362,8 @@ def test_bench_producer_measures_pgq_beside_the_relay(tmp_path: Path, pg_server:
             " installs it): the bench leaves PgQ out"
         )
     result = _bench(
-        *("producer", "--quick", "--seconds", "1", "--rounds", "1"),
+        # Two seconds, the shortest producer run: its CPU is split by sessions too.
+        *("producer", "--quick", "--seconds", "2", "--rounds", "1"),
         *("--name", "pgq", "--out", str(tmp_path)),
     )
     figures = orjson.loads((tmp_path / "pgq.json").read_bytes())
@@ -377,6 +379,18 @@ def test_bench_producer_measures_pgq_beside_the_relay(tmp_path: Path, pg_server:
     for name, mode in pgq_modes.items():
         part = "pgq_consumer" if mode.pgq == "consumer" else "pgq_ticker"
         assert producer["cpu_us_per_tx"][name][part] >= 0, (name, producer["cpu_us_per_tx"][name])
+    # PostgreSQL's CPU split by sessions: the producers' backends in every mode, a consumer's
+    # sessions where serversync's or PgQ's consumer reads, none where only pgbench runs (PgQ's
+    # ticker alone may stay below the clock's 10 ms resolution in so short a window).
+    all_modes = {mode.name: mode for mode in [*MODES, *BULK_MODES, *DURABLE_MODES]}
+    for name, cpu in producer["cpu_us_per_tx"].items():
+        assert set(SESSION_PARTS) <= set(cpu), (name, cpu)
+        assert cpu["postgres_producers"] > 0, (name, cpu)
+        mode = all_modes[name]
+        if mode.pgq == "consumer" or (mode.pgq is None and mode.consumer is not None):
+            assert cpu["postgres_consumer"] > 0, (name, cpu)
+        elif mode.pgq is None:
+            assert cpu["postgres_consumer"] == 0, (name, cpu)
     # The relay over PgQ in each setting is the quotient of the two modes' tps.
     tps = producer["tps"]
     assert set(producer["relay_to_pgq"]) == set(RELAY_VS_PGQ)
