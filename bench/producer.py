@@ -15,8 +15,10 @@ where the server has its extension (Debian: postgresql-15-pgq3): its C row trigg
 and with a consumer of its batches as well, in single-row and 100-row transactions.
 `relay_to_pgq` is the relay's tps over PgQ's in each of those four settings, the relay with no
 consumer (`tracked_no_notify`) and with serversync's consumer at its defaults
-(`tracked_wakeups_on`). On a server without the extension the PgQ modes are left out and the
-result says why (`pgq.note`).
+(`tracked_wakeups_on`), and in a fifth, single-row, with serversync's consumer reading as often
+as PgQ's (`tracked_wakeups_on_pgq_cadence`: pacing at PgQ's tick, where the default paces at
+20 ms for a fifth of the latency under load). On a server without the extension the PgQ modes
+are left out and the result says why (`pgq.note`).
 
 The bench's private cluster runs with fsync and synchronous_commit off, so every transaction is
 pure CPU and the trigger's share of it is as large as it can be. On a private cluster the
@@ -236,6 +238,12 @@ class Mode:
 
 
 PACING_OFF = {"SYNC_BATCH_WAIT_MS": "0"}
+# Pacing at PgQ's tick, and batches as large as a tick's events at any rate pgbench reaches here
+# (PgQ's batches have no cap but the tick).
+PGQ_CADENCE = {
+    "SYNC_BATCH_WAIT_MS": str(round(pgq.TICK_EVERY_SEC * 1000)),
+    "SYNC_BATCH_SIZE": "50000",
+}
 MODES = [
     Mode("untracked", "bench_plain", "auto"),
     Mode("tracked_no_notify", "bench_tracked", "off"),
@@ -252,6 +260,10 @@ MODES = [
     ),
     # The consumer reading as soon as it has settled a batch, however fast events arrive.
     Mode("tracked_wakeups_on_unpaced", "bench_tracked", "auto", PACING_OFF),
+    # The consumer reading as often as PgQ's consumer gets a batch: once a tick under load, a
+    # tick's events a batch. By default it reads every 20 ms under load (SYNC_BATCH_WAIT_MS),
+    # for a fifth of the latency at about four times the reads.
+    Mode("tracked_wakeups_on_pgq_cadence", "bench_tracked", "auto", PGQ_CADENCE),
     Mode("pgq_consumer_running", PGQ_TABLE, "off", pgq="consumer"),
     # Last in its round, so that no measured mode runs in the wake of its notification flood.
     Mode("tracked_notify_every_tx", "bench_tracked", "always", {}),
@@ -272,6 +284,8 @@ BULK_MODES = [
 RELAY_VS_PGQ = {
     "single_row": ("tracked_no_notify", "pgq_trigger"),
     "single_row_consumer_running": ("tracked_wakeups_on", "pgq_consumer_running"),
+    # Each consumer reading as often as the other: what is left once the cadence is the same.
+    "single_row_consumer_same_cadence": ("tracked_wakeups_on_pgq_cadence", "pgq_consumer_running"),
     "bulk": ("bulk_tracked_no_notify", "bulk_pgq_trigger"),
     "bulk_consumer_running": ("bulk_tracked_wakeups_on", "bulk_pgq_consumer_running"),
 }
