@@ -379,6 +379,9 @@ async def _sessions_split(
         first_ids, first = await sample()
         await asyncio.sleep(max(0.0, ends - SESSION_MARGIN_SEC - time.monotonic()))
         last_ids, last = await sample()
+        if run.done():
+            # pgbench ended inside the window: its sessions' CPU went with them.
+            return {}
     transactions = 2 * (last_ids - first_ids) / mode.rows
     used = dict.fromkeys(SESSION_PARTS, 0.0)
     for pid, (part, seconds) in last.items():
