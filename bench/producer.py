@@ -328,22 +328,25 @@ def _children_cpu_seconds() -> float:
 # sessions of serversync's consumer or of PgQ's ticker and consumer (reads, ticks and offset
 # commits), and the server's own processes (WAL writer, checkpointer, autovacuum).
 SESSION_PARTS = ("postgres_producers", "postgres_consumer", "postgres_background")
-# The window leaves pgbench this long at either end (its sessions start and end there).
+# The window leaves pgbench this long at its end (its sessions end there), and is measured only
+# when it lasts at least SESSION_MIN_WINDOW_SEC (CPU times come in 10 ms ticks per process).
 SESSION_MARGIN_SEC = 0.5
+SESSION_MIN_WINDOW_SEC = 1.0
 
 
 async def _sessions_split(
     env: BenchEnv, mode: Mode, clients: int, *, ends: float, run: asyncio.Task[Any]
 ) -> dict[str, float]:
     """CPU microseconds per transaction of each of SESSION_PARTS over a window inside a pgbench
-    run (empty for a server on another machine, whose processes this one cannot read).
+    run; empty for a server on another machine, whose processes this one cannot read, and for a
+    window that could not be measured whole (pgbench connecting too late, or ending inside it).
 
     The window opens once all of pgbench's sessions are connected and closes before pgbench
     ends them. Its transactions are counted by the table's id sequence, which only the inserts
     take from (`rows` ids each): half the transactions are inserts (pgbench draws each script
-    with weight 1), so their number is twice the inserts', within a fraction of a percent at
-    these counts."""
-    if not server_is_local(env.backend) or ends - time.monotonic() < 2 * SESSION_MARGIN_SEC + 0.5:
+    with weight 1), so their number is twice the inserts' (the draw's spread: about 1 % at the
+    10,000 transactions of a bulk mode's window, less for single rows)."""
+    if not server_is_local(env.backend):
         return {}
     monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
     async with monitor:
@@ -351,19 +354,27 @@ async def _sessions_split(
         async def connected() -> bool:
             if run.done():
                 run.result()  # pgbench failed: raise its error, not a timeout
+                return True  # it ended before all its sessions were seen: no window
             cur = await monitor.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgbench'"
+                " AND datname = current_database()"
             )
             row = await cur.fetchone()
             return row is not None and row[0] >= clients
 
         await wait_for(connected, timeout=30, what="pgbench's sessions")
+        closes = ends - SESSION_MARGIN_SEC
+        if run.done() or closes - time.monotonic() < SESSION_MIN_WINDOW_SEC:
+            return {}
         ids = sql.SQL("SELECT last_value FROM {}").format(sql.Identifier(f"{mode.table}_ids"))
 
         async def sample() -> tuple[int, dict[int, tuple[str, float]]]:
+            # Sessions of this database by who they are; the server's own processes whatever
+            # database they work on; another database's sessions are not this run's.
             cur = await monitor.execute(
                 "SELECT pid, backend_type = 'client backend', application_name"
                 " FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+                " AND (backend_type <> 'client backend' OR datname = current_database())"
             )
             parts = {}
             for pid, client, name in await cur.fetchall():
@@ -377,11 +388,12 @@ async def _sessions_split(
             return int(inserted), parts
 
         first_ids, first = await sample()
-        await asyncio.sleep(max(0.0, ends - SESSION_MARGIN_SEC - time.monotonic()))
+        await asyncio.sleep(max(0.0, closes - time.monotonic()))
         last_ids, last = await sample()
-        if run.done():
-            # pgbench ended inside the window: its sessions' CPU went with them.
-            return {}
+    producers = {pid for pid, (part, _) in first.items() if part == "postgres_producers"}
+    if run.done() or not producers <= last.keys():
+        # pgbench ended inside the window: its sessions' CPU went with them.
+        return {}
     transactions = 2 * (last_ids - first_ids) / mode.rows
     used = dict.fromkeys(SESSION_PARTS, 0.0)
     for pid, (part, seconds) in last.items():
@@ -429,13 +441,21 @@ async def run_mode(
         progress(f"  producer: {mode.name} for {seconds}s at {clients} connections")
         # pgbench ends its backends as it exits, so their CPU cannot be read per process
         # afterwards: the machine's busy time is, less pgbench and the consumer, PostgreSQL's
-        # (the bench itself sleeps meanwhile).
+        # (the bench itself only samples the sessions twice meanwhile).
         machine_before = machine_cpu()
         pgbench_before = _children_cpu_seconds()
         consumer_before = process_cpu_seconds(consumer.pid) if consumer is not None else None
         started = time.monotonic()
         run = asyncio.create_task(asyncio.to_thread(_pgbench, env, mode, seconds, clients))
-        sessions = await _sessions_split(env, mode, clients, ends=started + seconds, run=run)
+        try:
+            sessions = await _sessions_split(env, mode, clients, ends=started + seconds, run=run)
+        except BaseException:
+            # pgbench's own end first: its error says more, and nothing may outlive the mode.
+            await asyncio.wait({run})
+            failed = None if run.cancelled() else run.exception()
+            if failed is not None:
+                raise failed from None
+            raise
         tps, transactions = await run
         if pgq_part is not None and consumer is not None:
             consumer.check_alive()  # a ticker or consumer that failed midway voids the figure
