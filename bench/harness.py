@@ -156,24 +156,31 @@ class CpuMeter:
         databases: dict[str, str],
         *,
         local_server: bool,
+        applications: dict[str, str] | None = None,
     ) -> None:
         self._monitor = monitor
         self._processes = processes
         self._databases = databases
         self._local_server = local_server
+        self._applications = applications or {}
         self._start: dict[int, tuple[str, float]] = {}
 
     async def _sample(self) -> dict[int, tuple[str, float]]:
         pids: dict[int, str] = {pid: name for name, pid in self._processes.items()}
         if self._local_server:
             cur = await self._monitor.execute(
-                "SELECT pid, datname, backend_type = 'client backend' FROM pg_stat_activity"
-                " WHERE pid <> pg_backend_pid()"
+                "SELECT pid, datname, backend_type = 'client backend', application_name"
+                " FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
             )
-            for pid, datname, client in await cur.fetchall():
-                # Sessions by the database they serve; autovacuum and the server's own
-                # processes apart, whatever database they work on.
-                part = self._databases.get(datname, "other") if client else "background"
+            for pid, datname, client, application in await cur.fetchall():
+                # Sessions by the application named in `applications`, else by the database
+                # they serve; autovacuum and the server's own processes apart, whatever
+                # database they work on.
+                part = "background"
+                if client:
+                    part = self._applications.get(
+                        application, self._databases.get(datname, "other")
+                    )
                 pids.setdefault(pid, "postgres " + part)
         sample = {}
         for pid, name in pids.items():
@@ -198,8 +205,11 @@ class CpuMeter:
 
 
 @contextlib.asynccontextmanager
-async def cpu_meter(env: BenchEnv, processes: dict[str, int]) -> AsyncIterator[CpuMeter]:
-    """A CpuMeter with its own monitoring connection to the bench's server."""
+async def cpu_meter(
+    env: BenchEnv, processes: dict[str, int], *, applications: dict[str, str] | None = None
+) -> AsyncIterator[CpuMeter]:
+    """A CpuMeter with its own monitoring connection to the bench's server; `applications`
+    names parts for client sessions by their application_name."""
     monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
     async with monitor:
         yield CpuMeter(
@@ -208,6 +218,7 @@ async def cpu_meter(env: BenchEnv, processes: dict[str, int]) -> AsyncIterator[C
             # Both receivers' databases are "receiver": their drains never overlap.
             {BACKEND_DB: "backend", FRONTEND_DB: "receiver", MAPPED_DB: "receiver"},
             local_server=server_is_local(env.backend),
+            applications=applications,
         )
 
 

@@ -57,6 +57,7 @@ from bench import pgq
 from bench.harness import (
     BenchEnv,
     Service,
+    cpu_meter,
     execute,
     machine_cpu,
     outbox_end,
@@ -331,6 +332,7 @@ SESSION_PARTS = ("postgres_producers", "postgres_consumer", "postgres_background
 # The window leaves pgbench this long at its end (its sessions end there), and is measured only
 # when it lasts at least SESSION_MIN_WINDOW_SEC (CPU times come in 10 ms ticks per process).
 SESSION_MARGIN_SEC = 0.5
+SESSION_MONITOR = "serversync-bench-producer"
 SESSION_MIN_WINDOW_SEC = 1.0
 
 
@@ -348,8 +350,12 @@ async def _sessions_split(
     10,000 transactions of a bulk mode's window, less for single rows)."""
     if not server_is_local(env.backend):
         return {}
-    monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)
-    async with monitor:
+    # This connection's own queries are the bench's, neither the producers' nor the consumer's.
+    monitor = await psycopg.AsyncConnection.connect(
+        env.backend, autocommit=True, application_name=SESSION_MONITOR
+    )
+    parts = {"pgbench": "producers", SESSION_MONITOR: "bench"}
+    async with monitor, cpu_meter(env, {}, applications=parts) as meter:
 
         async def connected() -> bool:
             if run.done():
@@ -368,38 +374,25 @@ async def _sessions_split(
             return {}
         ids = sql.SQL("SELECT last_value FROM {}").format(sql.Identifier(f"{mode.table}_ids"))
 
-        async def sample() -> tuple[int, dict[int, tuple[str, float]]]:
-            # Sessions of this database by who they are; the server's own processes whatever
-            # database they work on; another database's sessions are not this run's.
-            cur = await monitor.execute(
-                "SELECT pid, backend_type = 'client backend', application_name"
-                " FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
-                " AND (backend_type <> 'client backend' OR datname = current_database())"
-            )
-            parts = {}
-            for pid, client, name in await cur.fetchall():
-                part = "background"
-                if client:
-                    part = "producers" if name == "pgbench" else "consumer"
-                seconds = process_cpu_seconds(pid)
-                if seconds is not None:
-                    parts[pid] = (f"postgres_{part}", seconds)
-            inserted = (await (await monitor.execute(ids)).fetchone() or (0,))[0]
-            return int(inserted), parts
+        async def inserted() -> int:
+            return int((await (await monitor.execute(ids)).fetchone() or (0,))[0])
 
-        first_ids, first = await sample()
+        first = await inserted()
+        await meter.mark()
         await asyncio.sleep(max(0.0, closes - time.monotonic()))
-        last_ids, last = await sample()
-    producers = {pid for pid, (part, _) in first.items() if part == "postgres_producers"}
-    if run.done() or not producers <= last.keys():
+        transactions = 2 * (await inserted() - first) / mode.rows
+        figures = await meter.per_event(round(transactions))
+    if run.done():
         # pgbench ended inside the window: its sessions' CPU went with them.
         return {}
-    transactions = 2 * (last_ids - first_ids) / mode.rows
-    used = dict.fromkeys(SESSION_PARTS, 0.0)
-    for pid, (part, seconds) in last.items():
-        # A session that connected inside the window is charged from its start.
-        used[part] += seconds - first.get(pid, (part, 0.0))[1]
-    return {part: s * 1e6 / max(transactions, 1) for part, s in used.items()}
+    # The consumer's (or PgQ's) sessions are the backend database's other client sessions;
+    # another database's sessions are not this run's.
+    names = {
+        "postgres_producers": "postgres producers",
+        "postgres_consumer": "postgres backend",
+        "postgres_background": "postgres background",
+    }
+    return {part: figures.get(name, 0.0) for part, name in names.items()}
 
 
 async def run_mode(
