@@ -26,6 +26,7 @@ from psycopg.types.json import Jsonb
 from bench.harness import (
     BenchEnv,
     cpu_meter,
+    event_position,
     execute,
     ingest_server,
     outbox_end,
@@ -226,14 +227,10 @@ async def product(
         end = await outbox_end(env.backend)
         total = (await execute(env.backend, "SELECT count(*) FROM sync.events_outbox"))[0][0]
     else:
-        last = await execute(
-            env.backend,
-            "SELECT txid::text, seq FROM sync.events_outbox ORDER BY txid, seq OFFSET %s LIMIT 1",
-            (window - 1,),
-        )
-        if not last:
+        last = await event_position(env.backend, window)
+        if last is None:
             raise ValueError(f"the outbox holds fewer than {window:,} events")
-        end, total = Position(int(last[0][0]), last[0][1]), window
+        end, total = last, window
     # One connection for all the polling: a connection per poll would cost the server a
     # backend start every 20 ms, on the cores the product runs on.
     monitor = await psycopg.AsyncConnection.connect(env.backend, autocommit=True)

@@ -100,6 +100,8 @@ async def produce_calls(dsn: str, n: int, *, chunk: int = 50_000) -> None:
         progress(f"produced {done:,}/{n:,} events ({done / (time.monotonic() - started):,.0f}/s)")
 
 
+# Both order by o.txid, the xid8 column: a bare `txid` would name the text output column, and as
+# text '10000' sorts before '9999'.
 async def outbox_end(dsn: str) -> Position:
     """The last position of the outbox."""
     rows = await execute(
@@ -108,6 +110,18 @@ async def outbox_end(dsn: str) -> Position:
         " ORDER BY o.txid DESC, o.seq DESC LIMIT 1",
     )
     return Position(int(rows[0][0]), rows[0][1]) if rows else Position.start()
+
+
+async def event_position(dsn: str, n: int) -> Position | None:
+    """The position of the outbox's `n`-th event in delivery order (n >= 1); None when it holds
+    fewer."""
+    rows = await execute(
+        dsn,
+        "SELECT o.txid::text, o.seq FROM sync.events_outbox o"
+        " ORDER BY o.txid, o.seq OFFSET %s LIMIT 1",
+        (n - 1,),
+    )
+    return Position(int(rows[0][0]), rows[0][1]) if rows else None
 
 
 def peak_rss_mb(pid: int) -> float:

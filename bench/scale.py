@@ -54,12 +54,12 @@ from bench.harness import (
     execute,
     machine,
     machine_cpu,
+    outbox_end,
     progress,
     start_service,
     wait_for,
 )
 from consumer.core.errors import first_line
-from consumer.core.events import Position
 from consumer.devtools.devdb import fresh_database
 
 PARTS = ("backlog", "consumers", "payload", "tables")
@@ -595,12 +595,7 @@ async def _consumers_run(env: BenchEnv, plan: Plan, count: int, declared: Path) 
         async with monitor, _held_horizon(env) as gate:
             await fill_outbox(env, 1, plan.consumer_events)
             await _settle(env)
-            rows = await execute(
-                env.backend,
-                "SELECT txid::text, seq FROM sync.events_outbox ORDER BY txid DESC, seq DESC"
-                " LIMIT 1",
-            )
-            end = Position(int(rows[0][0]), rows[0][1])
+            end = await outbox_end(env.backend)
             for name in names:
                 services.append(
                     start_service(

@@ -18,7 +18,14 @@ import orjson
 import pytest
 
 from bench import report, scale
+from bench.harness import event_position, outbox_end
+from consumer.core.events import Position
 from tests.conftest import ROOT
+from tests.support.backend import (
+    burn_xids_past_a_power_of_ten,
+    insert_call,
+    outbox_in_delivery_order,
+)
 
 
 def _consumers_curve(ratio: float, efficiency: float, *, cpu_bound: bool) -> dict[str, Any]:
@@ -83,6 +90,26 @@ def test_sizes_read_as_written() -> None:
     for bad in ("0", "1.5", "ten", "-3k"):
         with pytest.raises(argparse.ArgumentTypeError):
             scale._sizes(bad)
+
+
+async def test_drain_windows_end_in_delivery_order_across_a_txid_digit_boundary(
+    private_backend_dsn: str,
+) -> None:
+    """A drain of the outbox's first N events stops at the N-th in delivery order. Ordered by
+    the txid's text, '10000' sorts before '9999': the drains of the first 100,000 events of a
+    10M outbox ran on to about 1,000,000 before they were stopped."""
+    for i in range(3):
+        await insert_call(private_backend_dsn, f"short-txid-{i}")
+    await burn_xids_past_a_power_of_ten(private_backend_dsn)
+    for i in range(3):
+        await insert_call(private_backend_dsn, f"long-txid-{i}")
+    outbox = [
+        Position(row.txid, row.seq) for row in await outbox_in_delivery_order(private_backend_dsn)
+    ]
+    assert len(str(outbox[0].txid)) < len(str(outbox[-1].txid))
+    assert [await event_position(private_backend_dsn, n) for n in range(1, 7)] == outbox
+    assert await event_position(private_backend_dsn, 7) is None
+    assert await outbox_end(private_backend_dsn) == outbox[-1]
 
 
 def _ratio_of(points: list[dict[str, Any]], key: str) -> float:

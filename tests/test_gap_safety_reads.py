@@ -25,7 +25,13 @@ from consumer.store.admin import plan_reset
 from consumer.store.outbox import OutboxStore
 from consumer.store.queries import query
 from tests.conftest import fetch_all, fetch_value, wait_until, waiting_for_notify
-from tests.support.backend import CONSUMER, insert_call, insert_calls, outbox_in_delivery_order
+from tests.support.backend import (
+    CONSUMER,
+    burn_xids_past_a_power_of_ten,
+    insert_call,
+    insert_calls,
+    outbox_in_delivery_order,
+)
 from tests.support.runtime import RecordingSink, listener_of, parked, running_runtime
 
 # -- a naive `seq > last_seq` reader skips; ours does not ---------------------------------------
@@ -518,25 +524,6 @@ async def test_event_without_notify_is_picked_up_by_the_poll_timer(
 
 
 # -- offset resets across a txid digit boundary -------------------------------------------------
-
-
-async def burn_xids_past_a_power_of_ten(dsn: str) -> None:
-    """Consume xids until the next one has one more decimal digit than the current one."""
-    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
-    async with conn:
-        cur = await conn.execute("SELECT pg_current_xact_id()::text")
-        row = await cur.fetchone()
-        assert row is not None
-        xid = int(row[0])
-        needed = 10 ** len(str(xid)) - xid
-        if needed > 300_000:
-            pytest.skip(f"xid {xid} is {needed} xids short of a power of ten; too slow to burn")
-        await conn.execute(
-            sql.SQL(
-                "DO $$ BEGIN FOR i IN 1..{} LOOP PERFORM pg_current_xact_id(); COMMIT; "
-                "END LOOP; END $$"
-            ).format(sql.Literal(needed))
-        )
 
 
 async def test_offset_reset_targets_order_txids_as_numbers(private_backend_dsn: str) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 from consumer.core.events import Position
@@ -228,3 +229,22 @@ async def consuming(dsn: str, url: str, **overrides: Any) -> AsyncIterator[Consu
     settings = make_settings(dsn, url, **{**fast, **overrides})
     async with running_consumer(settings) as runtime:
         yield runtime
+
+
+async def burn_xids_past_a_power_of_ten(dsn: str) -> None:
+    """Consume xids until the next one has one more decimal digit than the current one."""
+    conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+    async with conn:
+        cur = await conn.execute("SELECT pg_current_xact_id()::text")
+        row = await cur.fetchone()
+        assert row is not None
+        xid = int(row[0])
+        needed = 10 ** len(str(xid)) - xid
+        if needed > 300_000:
+            pytest.skip(f"xid {xid} is {needed} xids short of a power of ten; too slow to burn")
+        await conn.execute(
+            sql.SQL(
+                "DO $$ BEGIN FOR i IN 1..{} LOOP PERFORM pg_current_xact_id(); COMMIT; "
+                "END LOOP; END $$"
+            ).format(sql.Literal(needed))
+        )
