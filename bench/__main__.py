@@ -350,7 +350,11 @@ def _summary(result: dict[str, Any]) -> str:
         lines.append(f"producer cost at {p['clients']} connections (tps, ratio to untracked):")
         cpu = p.get("cpu_us_per_tx", {})
         for key, tps in p["tps"].items():
-            line = f"  {key:26} {tps:>10,.0f}  {p['ratio_to_untracked'][key]:.3f}"
+            # A steady mode's tps is its rate's, not a share of the untracked table's.
+            ratio = p["ratio_to_untracked"].get(key)
+            line = f"  {key:26} {tps:>10,.0f}  " + (
+                f"{ratio:.3f}" if ratio is not None else "steady"
+            )
             if key in cpu:
                 line += "  CPU us/tx: " + ", ".join(f"{k} {v}" for k, v in cpu[key].items())
             lines.append(line)
@@ -372,6 +376,16 @@ def _summary(result: dict[str, Any]) -> str:
                 "  relay / PgQ's C trigger (tps, relay with no consumer against PgQ with none,"
                 " with serversync's consumer against PgQ's): "
                 + ", ".join(f"{name} {ratio:.3f}" for name, ratio in p["relay_to_pgq"].items())
+            )
+        steady = p.get("steady") or {}
+        if steady.get("relay_to_pgq_cpu"):
+            lines.append(
+                f"  at a steady {steady['rate_tps']:,} tps ({steady['share_of_untracked']:g} of the"
+                " untracked tps), the machine's CPU per transaction, relay / PgQ's C trigger"
+                " (below 1.0 the relay costs less): "
+                + ", ".join(
+                    f"{name} {ratio:.3f}" for name, ratio in steady["relay_to_pgq_cpu"].items()
+                )
             )
         cost = p["relay_cost"]
         for timings, said in (

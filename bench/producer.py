@@ -20,6 +20,12 @@ as PgQ's (`tracked_wakeups_on_pgq_cadence`: pacing at PgQ's tick, where the defa
 20 ms for a fifth of the latency under load). On a server without the extension the PgQ modes
 are left out and the result says why (`pgq.note`).
 
+A saturated machine's tps moves from run to run by as much as these settings differ. The `steady_`
+modes run the single-row settings again at one steady rate (pgbench -R at half the untracked
+tps of the same run), where every mode does the same transactions and the machine's CPU per
+transaction says what each costs: `steady.relay_to_pgq_cpu` is the relay's over PgQ's, with no
+consumer, with each one's consumer, and with serversync's at PgQ's cadence.
+
 The bench's private cluster runs with fsync and synchronous_commit off, so every transaction is
 pure CPU and the trigger's share of it is as large as it can be. On a private cluster the
 untracked and the wake-ups-on runs are repeated with PostgreSQL's durable defaults (fsync,
@@ -46,7 +52,7 @@ import shutil
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +295,28 @@ RELAY_VS_PGQ = {
     "single_row_consumer_same_cadence": ("tracked_wakeups_on_pgq_cadence", "pgq_consumer_running"),
     "bulk": ("bulk_tracked_no_notify", "bulk_pgq_trigger"),
     "bulk_consumer_running": ("bulk_tracked_wakeups_on", "bulk_pgq_consumer_running"),
+}
+# The same comparisons at a steady rate below what the machine can do (pgbench -R): every mode then
+# runs the same transactions, so the machine's CPU per transaction says what each one costs, where
+# the tps of a saturated machine moves with the run's noise as much as with the cost. The rate is
+# STEADY_SHARE of the untracked table's tps in the same run.
+STEADY_SHARE = 0.5
+STEADY_MODES = [
+    Mode("steady_tracked_no_notify", "bench_tracked", "off"),
+    Mode("steady_tracked_wakeups_on", "bench_tracked", "auto", {}),
+    Mode("steady_tracked_wakeups_on_pgq_cadence", "bench_tracked", "auto", PGQ_CADENCE),
+    Mode("steady_pgq_trigger", PGQ_TABLE, "off", pgq="ticker"),
+    Mode("steady_pgq_consumer_running", PGQ_TABLE, "off", pgq="consumer"),
+]
+# The relay's machine CPU per transaction over PgQ's at the steady rate, each setting a pair of
+# steady modes (relay, PgQ): below 1.0 the relay costs the machine less.
+RELAY_VS_PGQ_STEADY = {
+    "single_row": ("steady_tracked_no_notify", "steady_pgq_trigger"),
+    "single_row_consumer_running": ("steady_tracked_wakeups_on", "steady_pgq_consumer_running"),
+    "single_row_consumer_same_cadence": (
+        "steady_tracked_wakeups_on_pgq_cadence",
+        "steady_pgq_consumer_running",
+    ),
 }
 DURABLE_MODES = [
     Mode("durable_untracked", "bench_plain", "auto", durable=True),
@@ -578,15 +606,21 @@ async def run_producer(
     per_row = await relay_cost_per_row(env, statements=statements, rounds=max(rounds, 3))
     runs: dict[str, list[float]] = {}
     cpu_runs: dict[str, list[dict[str, float]]] = {}
-    blocks = [MODES, BULK_MODES]
+    blocks = [MODES, BULK_MODES, STEADY_MODES]
     if env.server.cluster is not None:
         blocks.append(DURABLE_MODES)
+    steady_rate = 0
     for block in blocks:
         if block[0].durable:
             _durable(env, True)
+        modes = block
+        if block is STEADY_MODES:
+            untracked = statistics.median(runs["untracked"])
+            steady_rate = max(100, round(STEADY_SHARE * untracked / 100) * 100)
+            modes = [replace(mode, rate=steady_rate) for mode in block]
         for round_ in range(rounds):
             progress(f"producer: round {round_ + 1}/{rounds}")
-            for mode in block:
+            for mode in modes:
                 if mode.pgq is not None and pgq_missing is not None:
                     continue
                 tps, cpu = await run_mode(env, mode, seconds, clients, round_)
@@ -599,6 +633,15 @@ async def run_producer(
     if snapshots:
         raise RuntimeError(f"{snapshots} snapshot(s) were written during the producer runs")
     figures = {name: statistics.median(values) for name, values in runs.items()}
+    cpu_us_per_tx = {
+        name: {
+            part: round(statistics.median(run[part] for run in cpus), 1)
+            for part in cpus[0]
+            if all(part in run for run in cpus)
+        }
+        for name, cpus in cpu_runs.items()
+    }
+    steady_names = {mode.name for mode in STEADY_MODES}
 
     def base(mode: str) -> float:
         for block in ("durable_", "bulk_"):
@@ -612,7 +655,9 @@ async def run_producer(
         "rounds": rounds,
         "tps": {k: round(v, 1) for k, v in figures.items()},
         "tps_runs": runs,
-        "ratio_to_untracked": {k: round(v / base(k), 3) for k, v in figures.items()},
+        "ratio_to_untracked": {
+            k: round(v / base(k), 3) for k, v in figures.items() if k not in steady_names
+        },
         # The relay against the least an outbox row trigger can be, neither with a consumer.
         "tracked_to_minimal_trigger": round(
             figures["tracked_no_notify"] / figures["minimal_trigger"], 3
@@ -624,14 +669,7 @@ async def run_producer(
         # Medians over the rounds, part by part: where each mode's CPU per transaction goes.
         # PostgreSQL's split by sessions only where every round measured it (a run too short
         # for its window has none).
-        "cpu_us_per_tx": {
-            name: {
-                part: round(statistics.median(run[part] for run in cpus), 1)
-                for part in cpus[0]
-                if all(part in run for run in cpus)
-            }
-            for name, cpus in cpu_runs.items()
-        },
+        "cpu_us_per_tx": cpu_us_per_tx,
         "relay_cost": per_row,
         "pgq": {
             "measured": pgq_missing is None,
@@ -643,5 +681,16 @@ async def run_producer(
             setting: round(figures[relay] / figures[queue], 3)
             for setting, (relay, queue) in RELAY_VS_PGQ.items()
             if queue in figures
+        },
+        # The steady modes ran at this rate (their tps is what pgbench reached); the relay's
+        # machine CPU per transaction over PgQ's in each setting.
+        "steady": {
+            "rate_tps": steady_rate,
+            "share_of_untracked": STEADY_SHARE,
+            "relay_to_pgq_cpu": {
+                setting: round(cpu_us_per_tx[relay]["total"] / cpu_us_per_tx[queue]["total"], 3)
+                for setting, (relay, queue) in RELAY_VS_PGQ_STEADY.items()
+                if queue in cpu_us_per_tx
+            },
         },
     }

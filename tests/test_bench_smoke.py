@@ -31,7 +31,10 @@ from bench.producer import (
     MODES,
     RELAY_COST_TABLES,
     RELAY_VS_PGQ,
+    RELAY_VS_PGQ_STEADY,
     SESSION_PARTS,
+    STEADY_MODES,
+    STEADY_SHARE,
 )
 from bench.receivers import RATIOS, RECEIVER_PARTS, RECEIVERS
 from bench.snapshot import LABELS as SNAPSHOT_LABELS
@@ -187,8 +190,9 @@ def check_latency(runs: list[dict[str, Any]], parameters: dict[str, Any]) -> Non
 def check_producer(producer: dict[str, Any], parameters: dict[str, Any]) -> None:
     """Every mode the run was set up for, with one run per round; the median of the runs; each
     ratio the quotient of its mode's tps and its block's untracked tps; the relay's cost per row
-    the difference of the statements' times it reports."""
-    modes = [*MODES, *BULK_MODES]
+    the difference of the statements' times it reports; the steady modes at half the untracked
+    tps, the relay against PgQ there the quotient of the two modes' CPU per transaction."""
+    modes = [*MODES, *BULK_MODES, *STEADY_MODES]
     if parameters["server"] == "private cluster":  # durable settings need a cluster of its own
         modes += DURABLE_MODES
     if not producer["pgq"]["measured"]:  # a server without PgQ's extension
@@ -197,7 +201,8 @@ def check_producer(producer: dict[str, Any], parameters: dict[str, Any]) -> None
     assert producer["rounds"] == parameters["rounds"]
     assert set(producer["tps"]) == names
     assert set(producer["tps_runs"]) == names
-    assert set(producer["ratio_to_untracked"]) == names
+    steady = {mode.name for mode in STEADY_MODES}
+    assert set(producer["ratio_to_untracked"]) == names - steady
     assert set(producer["cpu_us_per_tx"]) == names
     tps = producer["tps"]
     for name in names:
@@ -209,7 +214,8 @@ def check_producer(producer: dict[str, Any], parameters: dict[str, Any]) -> None
             (f"{block}untracked" for block in ("durable_", "bulk_") if name.startswith(block)),
             "untracked",
         )
-        assert_ratio(producer["ratio_to_untracked"][name], tps[name], tps[base], name)
+        if name not in steady:
+            assert_ratio(producer["ratio_to_untracked"][name], tps[name], tps[base], name)
         cpu = producer["cpu_us_per_tx"][name]
         assert {"postgres", "pgbench", "total", "steal"} <= set(cpu), (name, cpu)
         assert cpu["total"] > 0, (name, cpu)
@@ -217,6 +223,15 @@ def check_producer(producer: dict[str, Any], parameters: dict[str, Any]) -> None
         mode = next(mode for mode in modes if mode.name == name)
         if mode.consumer is None:
             assert "consumer" not in cpu, (name, cpu)
+    rate = producer["steady"]["rate_tps"]
+    assert rate == max(100, round(STEADY_SHARE * tps["untracked"] / 100) * 100)
+    assert producer["steady"]["share_of_untracked"] == STEADY_SHARE
+    ratios = producer["steady"]["relay_to_pgq_cpu"]
+    assert set(ratios) == (set(RELAY_VS_PGQ_STEADY) if producer["pgq"]["measured"] else set())
+    for setting, ratio in ratios.items():
+        relay, queue = RELAY_VS_PGQ_STEADY[setting]
+        cpu = producer["cpu_us_per_tx"]
+        assert_ratio(ratio, cpu[relay]["total"], cpu[queue]["total"], setting)
     assert_ratio(
         producer["tracked_to_minimal_trigger"],
         tps["tracked_no_notify"],
@@ -384,7 +399,7 @@ def test_bench_producer_measures_pgq_beside_the_relay(tmp_path: Path, pg_server:
     # reads): the producers' backends in every mode, a consumer's sessions where serversync's or
     # PgQ's consumer reads, none where only pgbench runs (PgQ's ticker alone may stay below the
     # clock's 10 ms resolution in so short a window).
-    all_modes = {mode.name: mode for mode in [*MODES, *BULK_MODES, *DURABLE_MODES]}
+    all_modes = {mode.name: mode for mode in [*MODES, *BULK_MODES, *STEADY_MODES, *DURABLE_MODES]}
     split = server_is_local(pg_server.dsn)
     for name, cpu in producer["cpu_us_per_tx"].items():
         if not split:
@@ -418,6 +433,10 @@ def test_bench_producer_measures_pgq_beside_the_relay(tmp_path: Path, pg_server:
     assert "relay / PgQ's C trigger" in out
     for setting, ratio in producer["relay_to_pgq"].items():
         assert f"{setting} {ratio:.3f}" in out, setting
+    steady_line = next(line for line in out.splitlines() if "at a steady" in line)
+    assert f"at a steady {producer['steady']['rate_tps']:,} tps" in steady_line
+    for setting, ratio in producer["steady"]["relay_to_pgq_cpu"].items():
+        assert f"{setting} {ratio:.3f}" in steady_line, setting
     for name, check in targets.items():
         mark = "ok  " if check["met"] else "MISS"
         assert f"[{mark}] {name}: {check['measured']}" in out, name
