@@ -250,6 +250,26 @@ async def test_a_node_killed_mid_drain_loses_and_doubles_nothing(
         assert len(messages) == 2000
 
 
+async def test_a_stream_reads_back_while_a_killed_meta_leader_is_replaced(
+    tmp_path: Path,
+) -> None:
+    # The tests read a stream back right after killing a node; when that node led the
+    # cluster's metadata, the reader is made once its successor is elected.
+    async with nats_cluster(tmp_path) as cluster:
+        spec = jetstream.StreamSpec(STREAM, PREFIX, 3, "limits", 0, 300)
+        async with connected(cluster.urls) as nc:
+            created = await jetstream.api_request(
+                nc, f"$JS.API.STREAM.CREATE.{STREAM}", spec.config(), 10
+            )
+            assert "error" not in created, created
+            js = nc.jetstream(timeout=10)
+            for number in range(5):
+                await js.publish(f"{PREFIX}.note.upsert", orjson.dumps({"n": number}))
+        cluster.kill(await cluster.meta_leader())
+        messages = await cluster.messages(STREAM)
+        assert [orjson.loads(m.body) for m in messages] == [{"n": n} for n in range(5)]
+
+
 async def test_without_quorum_the_offset_holds_and_the_drain_resumes(
     backend_dsn: str, tmp_path: Path
 ) -> None:

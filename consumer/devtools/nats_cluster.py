@@ -31,6 +31,7 @@ import orjson
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.client import JetStreamContext
 
 from consumer.devtools.devdb import free_port
 
@@ -283,6 +284,31 @@ class NatsCluster:
         if "error" in answer:
             raise NatsServerError(f"cannot delete stream {stream}: {answer['error']}")
 
+    async def meta_leader(self, *, timeout: float = 20.0) -> Node:
+        """The node that leads the cluster's JetStream metadata (it makes streams and
+        consumers), as a running node's monitoring endpoint reports it."""
+        found: list[str] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+
+            async def reported() -> bool:
+                for node in self.nodes:
+                    if not node.running:
+                        continue
+                    url = f"http://127.0.0.1:{node.http_port}/jsz"
+                    try:
+                        async with http.get(url) as response:
+                            report = await response.json()
+                    except (aiohttp.ClientError, TimeoutError, ValueError):
+                        continue
+                    leader = (report.get("meta_cluster") or {}).get("leader")
+                    if leader:
+                        found.append(leader)
+                        return True
+                return False
+
+            await _wait(reported, timeout=timeout, what="the cluster's meta leader")
+        return self.node(found[0])
+
     async def stream_leader(self, stream: str) -> Node:
         """The node that leads the stream now."""
         info = await self.stream_info(stream)
@@ -296,11 +322,26 @@ class NatsCluster:
         self.readers += 1
         stored: list[StoredMessage] = []
         async with connected(self.running_urls(), **self.credentials) as nc:
-            js = nc.jetstream(timeout=10)
+            js = nc.jetstream(timeout=2)
             config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL)
-            reader = await js.pull_subscribe(
-                "", durable=f"reader-{self.readers}", stream=stream, config=config
-            )
+            made: list[JetStreamContext.PullSubscription] = []
+
+            async def make_reader() -> bool:
+                # Consumers are made by the cluster's meta leader; a request sent while a
+                # killed node's successor is still being elected goes unanswered, so it is
+                # asked again (the durable name makes a repeated create the same consumer).
+                try:
+                    made.append(
+                        await js.pull_subscribe(
+                            "", durable=f"reader-{self.readers}", stream=stream, config=config
+                        )
+                    )
+                except nats.errors.TimeoutError:
+                    return False
+                return True
+
+            await _wait(make_reader, timeout=timeout, interval=0, what=f"a reader of {stream}")
+            reader = made[0]
 
             async def read_all() -> bool:
                 with contextlib.suppress(nats.errors.TimeoutError):
