@@ -256,12 +256,8 @@ async def test_a_stream_reads_back_while_a_killed_meta_leader_is_replaced(
     # The tests read a stream back right after killing a node; when that node led the
     # cluster's metadata, the reader is made once its successor is elected.
     async with nats_cluster(tmp_path) as cluster:
-        spec = jetstream.StreamSpec(STREAM, PREFIX, 3, "limits", 0, 300)
+        await create_stream(cluster, jetstream.StreamSpec(STREAM, PREFIX, 3, "limits", 0, 300))
         async with connected(cluster.urls) as nc:
-            created = await jetstream.api_request(
-                nc, f"$JS.API.STREAM.CREATE.{STREAM}", spec.config(), 10
-            )
-            assert "error" not in created, created
             js = nc.jetstream(timeout=10)
             for number in range(5):
                 await js.publish(f"{PREFIX}.note.upsert", orjson.dumps({"n": number}))
@@ -320,10 +316,7 @@ async def test_a_message_too_large_is_parked_and_the_rest_delivered(
     # settings, stores messages of up to 16 KiB (a setting serversync does not set).
     async with nats_cluster(tmp_path, max_payload=64 * 1024) as cluster:
         spec = jetstream.StreamSpec(STREAM, PREFIX, 3, "limits", 0, 300)
-        async with connected(cluster.urls) as nc:
-            config = {**spec.config(), "max_msg_size": 16 * 1024}
-            created = await jetstream.api_request(nc, f"$JS.API.STREAM.CREATE.{STREAM}", config, 10)
-            assert "error" not in created, created
+        await create_stream(cluster, spec, max_msg_size=16 * 1024)
         path = consumers_file(tmp_path, declaration(cluster.urls))
         enqueue = "SELECT sync.enqueue('note', %s, json_build_object('text', %s::text))"
         for entity, size in [("n1", 10), ("n2", 20_000), ("n3", 10), ("n4", 100_000)] + [
@@ -352,11 +345,7 @@ async def test_an_existing_stream_with_other_settings_stops_the_start(
 ) -> None:
     async with nats_cluster(tmp_path) as cluster:
         other = jetstream.StreamSpec(STREAM, PREFIX, 1, "interest", 3600, 60)
-        async with connected(cluster.urls) as nc:
-            created = await jetstream.api_request(
-                nc, f"$JS.API.STREAM.CREATE.{STREAM}", other.config(), 10
-            )
-            assert "error" not in created, created
+        await create_stream(cluster, other)
         # A server without authorization takes any login: the password is read and sent.
         password = "p4ssw0rd-of-the-consumer"  # noqa: S105 - a test's own
         path = consumers_file(
@@ -512,6 +501,15 @@ def lone_sink(
         timeout_sec=30,
         source=read_source if source is not None else None,
     )
+
+
+async def create_stream(cluster: NatsCluster, spec: jetstream.StreamSpec, **settings: Any) -> None:
+    """Make the stream beforehand, as an operator would: `spec`'s settings, `settings` over them
+    (JetStream's own names)."""
+    async with connected(cluster.urls) as nc:
+        config = {**spec.config(), **settings}
+        created = await jetstream.api_request(nc, f"$JS.API.STREAM.CREATE.{spec.name}", config, 10)
+    assert "error" not in created, created
 
 
 async def make_stream(
