@@ -11,6 +11,10 @@ to "the same run": both see the same machine, the same receiver and the same bac
 at the same moment, and neither benefits from having gone first. It also means each path shares
 the machine with the other: at 1,000 events/s the server commits 2,000 transactions a second.
 
+Latency runs from the producer's INSERT to the receiver's apply, both on the database's clock:
+`clock_timestamp()` in the producer's transaction, just before its commit, and the time of the
+receiver's transaction (`applied_at`); so it includes the commit itself.
+
 Per path and rate: commit -> applied percentiles of the delivered events, the events the path
 never delivered (lost: the naive "seq > last" reader skips a commit that lands behind one it
 already read), the rate achieved, and what producing cost: the CPU of the producers' PostgreSQL
@@ -119,12 +123,7 @@ async def run_latency(
                     if delay > 0:
                         await asyncio.sleep(delay)
                     call_id = str(uuid.uuid4())
-                    await conn.execute(
-                        "INSERT INTO call_logs (id, caller_number, callee_number) VALUES"
-                        " (%s, '09000000000', '0312345678')",
-                        (call_id,),
-                    )
-                    committed[call_id] = time.time()
+                    committed[call_id] = await insert_event(conn, "call_logs", call_id)
                     if i and i % max(1, int(rate * 2)) == 0:
                         progress(f"  {mode}: committed {i:,}/{total:,}")
                 achieved = total / (time.monotonic() - started)
@@ -154,6 +153,26 @@ async def run_latency(
         "poll_interval_sec": poll_interval,
         **percentiles(latencies),
     }
+
+
+async def insert_event(conn: psycopg.AsyncConnection[Any], table: str, entity_id: str) -> float:
+    """Commit one call log row into `table` in a transaction of its own (`conn` autocommits);
+    where its latency starts: the database's clock inside that transaction, in seconds since the
+    epoch. The server takes it before the commit, so no event is applied before its latency
+    starts; the bench's own clock after the commit returns would be read late whenever the
+    bench's event loop is (a busy machine measured negative latencies that way)."""
+    cursor = await conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (id, caller_number, callee_number)"
+            " VALUES (%s, '09000000000', '0312345678')"
+            " RETURNING extract(epoch FROM clock_timestamp())::float8"
+        ).format(sql.Identifier(table)),
+        (entity_id,),
+    )
+    row = await cursor.fetchone()
+    assert row is not None  # an INSERT ... RETURNING of one row returns it
+    started: float = row[0]
+    return started
 
 
 async def start_at_outbox_end(env: BenchEnv) -> None:
@@ -205,7 +224,7 @@ class PathRun:
     path: str
     connections: list[psycopg.AsyncConnection[Any]]
     backend_pids: list[int]
-    # entity id -> the wall clock just after its commit returned.
+    # entity id -> where its latency starts: the database's clock in its transaction.
     committed: dict[str, float] = field(default_factory=dict)
     commit_ms: list[float] = field(default_factory=list)
     started: float = 0.0  # time.monotonic() its first commit was due at
@@ -214,10 +233,6 @@ class PathRun:
     async def produce(self, rate: float, total: int, started: float) -> None:
         """Commit `total` single-row INSERT transactions at `rate` per second from `started`
         (time.monotonic()), connection c taking every len(connections)-th one from c."""
-        insert = sql.SQL(
-            "INSERT INTO {} (id, caller_number, callee_number)"
-            " VALUES (%s, '09000000000', '0312345678')"
-        ).format(sql.Identifier(TABLES[self.path]))
         self.started = started
 
         async def one(first: int, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -227,9 +242,8 @@ class PathRun:
                     await asyncio.sleep(delay)
                 entity_id = str(uuid.uuid4())
                 before = time.perf_counter()
-                await conn.execute(insert, (entity_id,))
+                self.committed[entity_id] = await insert_event(conn, TABLES[self.path], entity_id)
                 self.commit_ms.append((time.perf_counter() - before) * 1000)
-                self.committed[entity_id] = time.time()
 
         await asyncio.gather(*(one(c, conn) for c, conn in enumerate(self.connections)))
         self.finished = time.monotonic()
