@@ -6,6 +6,7 @@ percentiles that way)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import psycopg
@@ -13,16 +14,15 @@ import psycopg
 from bench.latency import PathRun
 from tests.support.backend import execute
 
-# How long the producer's event loop is held once its INSERT reached the server: far longer
-# than the server takes to commit and a reader to see the row.
-STALL_SEC = 0.3
+# The longest the producer's event loop is held, waiting for another connection to see its row.
+HOLD_DEADLINE_SEC = 10.0
 
 
-def first_seen(dsn: str, *, timeout: float = 10.0) -> tuple[str, float]:
+def first_seen(dsn: str, seen: threading.Event) -> tuple[str, float]:
     """The first call log another connection sees, and the database's clock (seconds since the
-    epoch) when it saw it: no earlier than that row's commit. Polls from a thread of its own, so
-    it goes on while the event loop is held."""
-    deadline = time.monotonic() + timeout
+    epoch) when it saw it: no earlier than that row's commit. Sets `seen` then. Polls from a
+    thread of its own, so it goes on while the event loop is held."""
+    deadline = time.monotonic() + HOLD_DEADLINE_SEC
     with psycopg.connect(dsn, autocommit=True) as conn:
         while time.monotonic() < deadline:
             row = conn.execute(
@@ -30,6 +30,7 @@ def first_seen(dsn: str, *, timeout: float = 10.0) -> tuple[str, float]:
                 " FROM call_logs LIMIT 1"
             ).fetchone()
             if row is not None:
+                seen.set()
                 return row[0], row[1]
     raise AssertionError("no call log committed")
 
@@ -38,23 +39,34 @@ async def test_an_event_s_latency_starts_before_its_commit_however_late_the_benc
     backend_dsn: str,
 ) -> None:
     # A notice the row's trigger sends reaches the producer while its INSERT is answered; the
-    # handler holds the event loop there, as a busy machine would.
+    # handler holds the event loop there, as a busy machine would, until another connection
+    # has seen the committed row.
     await execute(
         backend_dsn,
-        "CREATE FUNCTION stall_notice() RETURNS trigger LANGUAGE plpgsql AS"
+        "CREATE FUNCTION hold_notice() RETURNS trigger LANGUAGE plpgsql AS"
         " $$BEGIN RAISE NOTICE 'inserted'; RETURN NULL; END$$;"
-        " CREATE TRIGGER stall AFTER INSERT ON call_logs FOR EACH ROW"
-        " EXECUTE FUNCTION stall_notice()",
+        " CREATE TRIGGER hold AFTER INSERT ON call_logs FOR EACH ROW"
+        " EXECUTE FUNCTION hold_notice()",
     )
+    seen = threading.Event()
+    # Per hold: whether the row was seen during it, and how long it lasted (seconds).
+    holds: list[tuple[bool, float]] = []
+
+    def hold(_diagnostic: psycopg.errors.Diagnostic) -> None:
+        began = time.perf_counter()
+        holds.append((seen.wait(HOLD_DEADLINE_SEC), time.perf_counter() - began))
+
     conn = await psycopg.AsyncConnection.connect(backend_dsn, autocommit=True)
     async with conn:
-        conn.add_notice_handler(lambda _diagnostic: time.sleep(STALL_SEC))
+        conn.add_notice_handler(hold)
         run = PathRun("serversync", [conn], [conn.info.backend_pid])
-        watcher = asyncio.create_task(asyncio.to_thread(first_seen, backend_dsn))
+        watcher = asyncio.create_task(asyncio.to_thread(first_seen, backend_dsn, seen))
         await run.produce(rate=1.0, total=1, started=time.monotonic())
         seen_id, seen_at = await watcher
     ((entity_id, latency_start),) = run.committed.items()
     assert seen_id == entity_id
+    ((seen_while_held, held_sec),) = holds
+    assert seen_while_held
     assert latency_start <= seen_at
-    # The stall is in the round trip the bench times, not in the latency.
-    assert run.commit_ms[0] >= STALL_SEC * 1000
+    # The hold is in the round trip the bench times, not in the latency.
+    assert run.commit_ms[0] >= held_sec * 1000
